@@ -1,0 +1,1 @@
+"""Tables and figures from run directories under results/ (filled by the analysis issue)."""

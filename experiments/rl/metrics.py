@@ -1,0 +1,98 @@
+"""Metric keys (the one place they are documented) and the per-run metrics writer.
+
+Every line of ``metrics.jsonl`` is one step: ``{"step": s, "<namespace>/<name>": value, ...}``.
+Namespaces: reward/, eval/, loss/, clip/, kl/, step/, rollout/, sync/, time/, mem/. A key that is
+not documented here is refused, so the analysis code can rely on this table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+METRICS: dict[str, str] = {
+    "step": "policy updates completed (0 = before training)",
+    "reward/mean": "mean reward of the step's sampled completions",
+    "reward/std": "std of the step's rewards",
+    "reward/accuracy": "fraction of sampled completions judged correct (reward > 0.5)",
+    "reward/zero_std_groups": "fraction of prompt groups whose completions all got the same reward",
+    "eval/accuracy": "greedy pass@1 on the held-out problems",
+    "eval/num_problems": "held-out problems in the evaluation",
+    "eval/len_mean": "mean completion length in tokens at evaluation",
+    "loss/policy": "clipped surrogate loss, token mean over the trained tokens (summed over ppo epochs' last pass)",
+    "clip/fraction": "fraction of trained tokens whose ratio was clipped",
+    "kl/ref": "k3 estimate of KL(policy || reference) per token (when train.kl_coef > 0)",
+    "kl/sampler_trainer": "mean log pi_sampler - log pi_trainer over sampled tokens (engine/trainer mismatch)",
+    "step/grad_norm": "global gradient norm before clipping",
+    "step/lr": "learning rate of the update",
+    "rollout/len_mean": "mean completion length in tokens",
+    "rollout/truncated_frac": "fraction of completions cut by max_new_tokens",
+    "rollout/trained_seqs": "sequences that entered the loss (zero-advantage ones are skipped)",
+    "rollout/trained_tokens": "completion tokens that entered the loss",
+    "time/step_s": "wall time of the step (rollout + reward + train), seconds",
+    "time/rollout_s": "generation time, seconds",
+    "time/reward_s": "reward verification time, seconds",
+    "time/train_s": "log-probs + backward + optimizer time, seconds",
+    "time/eval_s": "evaluation time, seconds",
+    "mem/peak_bytes": "peak memory: CUDA max allocated in the step, else the process's peak RSS so far",
+    "mem/peak_rss_bytes": "the process's peak resident set size so far (ru_maxrss)",
+}
+
+
+def peak_rss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    rss = peak_rss_bytes()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss
+    return {"mem/peak_bytes": float(peak), "mem/peak_rss_bytes": float(rss)}
+
+
+class MetricsWriter:
+    """Appends one JSON line per record to ``metrics.jsonl`` (and TensorBoard when asked)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = False):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("log.tensorboard=true needs the tensorboard package: pip install tensorboard") from e
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past ``step`` (written after the checkpoint a resumed run restarts from)."""
+        if not self.path.exists():
+            return
+        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+        self.path.write_text("".join(l + "\n" for l in keep))
+
+    def write(self, record: dict) -> None:
+        unknown = [k for k in record if k not in METRICS]
+        if unknown:
+            raise KeyError(f"undocumented metric keys {unknown}: add them to experiments/rl/metrics.py")
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []

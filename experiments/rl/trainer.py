@@ -1,0 +1,285 @@
+"""The GRPO loop — one for every method (DESIGN §4).
+
+Per step: sample ``prompts_per_step × group_size`` completions from the rollout engine → verify
+rewards → group advantages → (old log-probs) → micro-batch forward/backward, accumulating →
+``method.step()`` → log; every ``eval.every`` steps a greedy pass@1 evaluation; every
+``checkpoint.every`` steps a checkpoint. The trainer knows methods, tasks and engines only through
+their registries and interfaces.
+
+Old log-probs: with ``ppo_epochs = 1`` the policy that sampled is the one being trained, so
+π_old = π_θ detached from the same forward pass (the ratio is exactly 1 and only its gradient
+matters); with more epochs they come from one extra no-grad pass before the first update.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from baselines import METHODS
+from experiments.config import ConfigError, to_yaml
+from experiments.rl import checkpoint as ckpt
+from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages
+from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics
+from experiments.rl.models import load_model
+from experiments.rl.rollout import Rollouts, build_engine
+from experiments.rl.tasks import build_task, format_prompt
+
+# Keys that may differ between a run and its resumption.
+RESUMABLE_CHANGES = {"resume", "train.steps", "log.progress", "log.tensorboard", "threads"}
+
+
+def git_sha() -> str:
+    try:
+        root = Path(__file__).resolve().parents[2]
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
+        return (sha or "unknown") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: DictConfig):
+        self.cfg_yaml = cfg
+        self.cfg = OmegaConf.to_object(cfg)
+        c = self.cfg
+        self.run_dir = Path(c.out_dir)
+        self._prepare_run_dir()
+        if c.threads > 0:
+            torch.set_num_threads(c.threads)
+        self.device = torch.device("cuda" if c.device == "auto" and torch.cuda.is_available() else ("cpu" if c.device == "auto" else c.device))
+        random.seed(c.seed)
+        torch.manual_seed(c.seed)
+
+        self.task = build_task(c.task)
+        self.train_problems = self.task.train_split()
+        self.test_problems = self.task.test_split()[: c.eval.size]
+        if not self.train_problems:
+            raise ValueError(f"task {c.task.name!r} has no training problems")
+        self.reward_fn = self.task.reward_function()
+
+        self.method = METHODS[c.method](getattr(c, c.method))
+        model, self.tokenizer = load_model(c.model)
+        self.model = self.method.prepare(model.to(self.device))
+        self.model.train()
+        self.method.build_optimizer(self.model)
+        self.ref_model = None
+        if c.train.kl_coef > 0:
+            self.ref_model, _ = load_model(c.model)
+            self.ref_model.to(self.device).eval().requires_grad_(False)
+        self.engine = build_engine(c.rollout, self.model, self.tokenizer)
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.log.tensorboard)
+        self.step = 0
+        self.epoch, self.cursor = 0, 0
+        if c.resume:
+            self._resume()
+
+    # ---- run directory, checkpoints -------------------------------------------------------
+    def _prepare_run_dir(self) -> None:
+        c = self.cfg
+        saved = self.run_dir / "config.yaml"
+        if saved.exists():
+            if not c.resume:
+                raise FileExistsError(f"{self.run_dir} already holds a run: pass resume=true to continue it, or another out_dir")
+            old = _flat(OmegaConf.to_container(OmegaConf.load(saved)))
+            new = _flat(OmegaConf.to_container(self.cfg_yaml))
+            diff = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)} - RESUMABLE_CHANGES
+            if diff:
+                raise ConfigError(f"resume: config differs from the saved run in {sorted(diff)}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        saved.write_text(to_yaml(self.cfg_yaml))
+        meta = {"git_sha": git_sha(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        (self.run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    def _resume(self) -> None:
+        found = ckpt.list_checkpoints(self.run_dir)
+        if not found:
+            print(f"[resume] no checkpoint in {self.run_dir}: starting from step 0")
+            return
+        method_state, state = ckpt.load_checkpoint(found[-1], self.model)
+        self.method.load_state_dict(method_state)
+        self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
+        self.metrics.truncate_after(self.step)
+        print(f"[resume] continuing {self.run_dir} from step {self.step}")
+
+    def save(self) -> None:
+        state = {"epoch": self.epoch, "cursor": self.cursor}
+        ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.method.state_dict(), state, keep=self.cfg.checkpoint.keep)
+
+    # ---- data -----------------------------------------------------------------------------
+    def _next_problems(self, n: int):
+        """The next ``n`` training problems of a seeded per-epoch permutation (resumable cursor)."""
+        out = []
+        while len(out) < n:
+            order = torch.randperm(len(self.train_problems), generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.epoch))
+            take = order[self.cursor : self.cursor + n - len(out)].tolist()
+            out += [self.train_problems[i] for i in take]
+            self.cursor += len(take)
+            if self.cursor >= len(self.train_problems):
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return out
+
+    def _prompts(self, problems) -> list[str]:
+        return [format_prompt(self.tokenizer, p, self.cfg.task.instruction) for p in problems]
+
+    # ---- the loop -------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        c = self.cfg
+        try:
+            if self.step == 0 and c.eval.every > 0 and c.eval.at_start:
+                self.metrics.write({"step": 0, **self.evaluate()})
+            bar = tqdm(total=c.train.steps, initial=self.step, desc=f"GRPO {c.method}", disable=not c.log.progress, dynamic_ncols=True)
+            while self.step < c.train.steps:
+                record = self.train_step()
+                self.step += 1
+                if c.eval.every > 0 and (self.step % c.eval.every == 0 or self.step == c.train.steps):
+                    record.update(self.evaluate())
+                self.metrics.write({"step": self.step, **record})
+                if (c.checkpoint.every > 0 and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
+                    self.save()
+                bar.set_postfix({k.split("/")[-1]: f"{record[k]:.3f}" for k in ("reward/mean", "eval/accuracy", "loss/policy") if k in record})
+                bar.update(1)
+            bar.close()
+        finally:
+            self.close()
+        return read_metrics(self.run_dir)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.reward_fn.close()
+
+    def train_step(self) -> dict[str, float]:
+        c, tc = self.cfg, self.cfg.train
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        problems = self._next_problems(tc.prompts_per_step)
+        rollouts = self.engine.generate(self._prompts(problems), n=tc.group_size)
+        t1 = time.perf_counter()
+        references = [p.reference for p in problems for _ in range(tc.group_size)]
+        rewards = torch.tensor(self.reward_fn(rollouts.texts, references), dtype=torch.float32)
+        t2 = time.perf_counter()
+        advantages = group_advantages(rewards, tc.group_size, tc.std_normalize)
+        keep = advantages != 0 if (tc.skip_zero_advantage and tc.kl_coef == 0) else torch.ones_like(advantages, dtype=torch.bool)
+        record = {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "reward/accuracy": float((rewards > 0.5).float().mean()),
+            "reward/zero_std_groups": float((rewards.view(-1, tc.group_size).std(1) == 0).float().mean()) if tc.group_size > 1 else 1.0,
+            "rollout/len_mean": float(rollouts.completion_mask.sum(1).float().mean()),
+            "rollout/truncated_frac": float(rollouts.truncated.float().mean()),
+        }
+        record.update(self._optimize(rollouts, advantages, keep))
+        t3 = time.perf_counter()
+        record.update({"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/step_s": t3 - t0})
+        record.update(memory_metrics(self.device))
+        self._log_samples(problems, rollouts, rewards)
+        return record
+
+    def _optimize(self, rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+        """``ppo_epochs`` updates on the rows in ``keep``, each from gradients accumulated over micro-batches."""
+        tc = self.cfg.train
+        rows = keep.nonzero().squeeze(-1)
+        stats = {"rollout/trained_seqs": float(len(rows)), "rollout/trained_tokens": 0.0}
+        if len(rows) == 0:  # every group had equal rewards: no signal, no update
+            return {**stats, "loss/policy": 0.0, "clip/fraction": 0.0}
+        micro = [rows[i : i + tc.micro_batch_size] for i in range(0, len(rows), tc.micro_batch_size)]
+        stats["rollout/trained_tokens"] = float(rollouts.completion_mask[rows].sum())
+        old = None
+        if tc.ppo_epochs > 1:
+            with torch.no_grad():
+                old = [self._logprobs(self.model, rollouts.select(idx)) for idx in micro]
+        for epoch in range(tc.ppo_epochs):
+            self.method.zero_grad()
+            pass_stats = self.accumulate_gradients(rollouts, advantages, micro, old)
+            if epoch == 0:
+                stats["kl/sampler_trainer"] = pass_stats.pop("kl/sampler_trainer")
+            stats.update(self.method.step())
+        self.method.zero_grad()
+        pass_stats.pop("kl/sampler_trainer", None)
+        return {**stats, **pass_stats}
+
+    def accumulate_gradients(self, rollouts: Rollouts, advantages: torch.Tensor, micro: list[torch.Tensor], old=None) -> dict[str, float]:
+        """Backward of the batch's token-mean loss, one micro-batch (row indices) at a time.
+
+        ``old``: per-micro-batch old log-probs, or None for on-policy (π_old = π_θ detached).
+        Each micro-batch's loss is divided by the token count of all micro-batches together, so
+        the accumulated gradient equals the whole batch's.
+        """
+        tc = self.cfg.train
+        num_tokens = float(sum(rollouts.completion_mask[idx].sum() for idx in micro))
+        loss_sum, clipped, kl_sum, sampler_diff = 0.0, 0.0, 0.0, 0.0
+        for k, idx in enumerate(micro):
+            mb = rollouts.select(idx)
+            logprobs = self._logprobs(self.model, mb)
+            old_lp = old[k] if old is not None else logprobs.detach()
+            mask = mb.completion_mask.to(self.device)
+            ref_lp = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_lp = self._logprobs(self.ref_model, mb)
+            loss, s = clipped_policy_loss(
+                logprobs, old_lp, advantages[idx].to(self.device), mask, tc.clip_low, tc.clip_high,
+                num_tokens, ref_lp, tc.kl_coef,
+            )
+            loss.backward()
+            loss_sum += float(loss.detach())
+            clipped += s["clipped_tokens"]
+            kl_sum += s.get("kl_sum", 0.0)
+            sampler_diff += float(((mb.sampler_logprobs.to(self.device) - old_lp) * mask).sum())
+        stats = {"loss/policy": loss_sum, "clip/fraction": clipped / num_tokens, "kl/sampler_trainer": sampler_diff / num_tokens}
+        if self.ref_model is not None:
+            stats["kl/ref"] = kl_sum / num_tokens
+        return stats
+
+    def _logprobs(self, model, mb: Rollouts) -> torch.Tensor:
+        ids, mask = mb.model_inputs()
+        return completion_logprobs(model, ids.to(self.device), mask.to(self.device), mb.completion_ids.shape[1])
+
+    # ---- evaluation, logging --------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy pass@1 on the first ``eval.size`` held-out problems."""
+        c = self.cfg
+        t0 = time.perf_counter()
+        correct, lengths = [], []
+        problems = self.test_problems
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            for i in tqdm(range(0, len(problems), c.eval.batch_size), desc="eval", leave=False, disable=not c.log.progress):
+                batch = problems[i : i + c.eval.batch_size]
+                out = self.engine.generate(self._prompts(batch), n=1, greedy=True, max_new_tokens=c.eval.max_new_tokens)
+                correct += self.reward_fn(out.texts, [p.reference for p in batch])
+                lengths += out.completion_mask.sum(1).tolist()
+        return {
+            "eval/accuracy": sum(r > 0.5 for r in correct) / max(len(correct), 1),
+            "eval/num_problems": float(len(correct)),
+            "eval/len_mean": sum(lengths) / max(len(lengths), 1),
+            "time/eval_s": time.perf_counter() - t0,
+        }
+
+    def _log_samples(self, problems, rollouts: Rollouts, rewards: torch.Tensor) -> None:
+        n = min(self.cfg.log.samples, len(rollouts))
+        if n <= 0:
+            return
+        G = self.cfg.train.group_size
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            for i in range(n):
+                f.write(json.dumps({"step": self.step + 1, "question": problems[i // G].question, "reference": problems[i // G].reference,
+                                    "completion": rollouts.texts[i], "reward": float(rewards[i])}) + "\n")
+

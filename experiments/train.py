@@ -1,0 +1,46 @@
+"""One GRPO run: ``python -m experiments.train [config=<yaml>] [key=value ...]``.
+
+Examples:
+    python -m experiments.train method=dense task=arith model=smollm2-135m-instruct train.steps=20 out_dir=runs/dense
+    python -m experiments.train config=arith_dense out_dir=runs/a resume=true
+    python -m experiments.train --show method=dense        # print the resolved config and exit
+"""
+
+from __future__ import annotations
+
+import sys
+
+from experiments.config import ConfigError, build_config, to_yaml
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("Defaults (every key can be overridden as key=value):\n")
+        print(to_yaml(build_config([])))
+        return 0
+    show = "--show" in argv
+    argv = [a for a in argv if a != "--show"]
+    try:
+        cfg = build_config(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if show:
+        print(to_yaml(cfg))
+        return 0
+    from experiments.rl.trainer import GRPOTrainer  # heavy imports only after the config is valid
+
+    trainer = GRPOTrainer(cfg)
+    metrics = trainer.train()
+    last_eval = [m for m in metrics if "eval/accuracy" in m]
+    if last_eval:
+        print(f"eval/accuracy: step {last_eval[0]['step']} {last_eval[0]['eval/accuracy']:.3f} -> "
+              f"step {last_eval[-1]['step']} {last_eval[-1]['eval/accuracy']:.3f}")
+    print(f"run directory: {cfg.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install (first call only) and run the default profile: a short dense GRPO run of the embedded
+# SmolLM2-135M-Instruct on arithmetic, on CPU. Usage: ./run_all.sh [key=value overrides]
+# (Sweeps, profiles and the analysis step are added by experiments.launch.)
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/bootstrap.sh
+export LOGRA_DATA_DIR="${LOGRA_DATA_DIR:-$(cd .. && pwd)/shared/data}"
+python -m experiments.train config=quick "$@"
