@@ -5,5 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/bootstrap.sh
-export LOGRA_DATA_DIR="${LOGRA_DATA_DIR:-$(cd .. && pwd)/shared/data}"
+# GSM8K/MATH-500 come from LOGRA_DATA_DIR; default to ../shared/data beside the repo when present.
+if [ -z "${LOGRA_DATA_DIR:-}" ] && [ -d ../shared/data ]; then export LOGRA_DATA_DIR="$(cd ../shared/data && pwd)"; fi
 python -m experiments.train config=quick "$@"

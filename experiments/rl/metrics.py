@@ -70,10 +70,7 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (written after the checkpoint a resumed run restarts from)."""
-        if not self.path.exists():
-            return
-        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-        self.path.write_text("".join(l + "\n" for l in keep))
+        truncate_jsonl(self.path, step)
 
     def write(self, record: dict) -> None:
         unknown = [k for k in record if k not in METRICS]
@@ -91,6 +88,14 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Keep only the lines of a JSONL file whose ``step`` is at most ``step``."""
+    path = Path(path)
+    if path.exists():
+        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+        path.write_text("".join(l + "\n" for l in keep))
 
 
 def read_metrics(run_dir) -> list[dict]:

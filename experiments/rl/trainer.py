@@ -28,7 +28,7 @@ from baselines import METHODS
 from experiments.config import ConfigError, to_yaml
 from experiments.rl import checkpoint as ckpt
 from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages
-from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics
+from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics, truncate_jsonl
 from experiments.rl.models import load_model
 from experiments.rl.rollout import Rollouts, build_engine
 from experiments.rl.tasks import build_task, format_prompt
@@ -109,14 +109,16 @@ class GRPOTrainer:
 
     def _resume(self) -> None:
         found = ckpt.list_checkpoints(self.run_dir)
-        if not found:
+        if found:
+            method_state, state = ckpt.load_checkpoint(found[-1], self.model)
+            self.method.load_state_dict(method_state)
+            self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
+            print(f"[resume] continuing {self.run_dir} from step {self.step}")
+        else:
             print(f"[resume] no checkpoint in {self.run_dir}: starting from step 0")
-            return
-        method_state, state = ckpt.load_checkpoint(found[-1], self.model)
-        self.method.load_state_dict(method_state)
-        self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
-        self.metrics.truncate_after(self.step)
-        print(f"[resume] continuing {self.run_dir} from step {self.step}")
+        # records written after that checkpoint are redone, not duplicated
+        self.metrics.truncate_after(self.step if found else -1)
+        truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
 
     def save(self) -> None:
         state = {"epoch": self.epoch, "cursor": self.cursor}
