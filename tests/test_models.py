@@ -28,8 +28,12 @@ def test_bad_dtype_is_a_clear_error():
 
 @pytest.mark.slow
 def test_embedded_smollm2_smoke(tmp_path):
-    """The real embedded model: clean of GGUF markers, and one GRPO step on arith runs."""
-    model, tok = load_model(ModelConfig())
+    """The real embedded model: converted from the wheel's GGUF into a fresh cache, clean of GGUF
+    markers, reloaded from the cache; then one GRPO step on arith runs."""
+    model, tok = load_model(ModelConfig(cache_dir=str(tmp_path / "cache")))
+    assert len(list((tmp_path / "cache").glob("smollm2-135m-instruct-*/model.safetensors"))) == 1
+    again, _ = load_model(ModelConfig(cache_dir=str(tmp_path / "cache")))
+    assert torch.equal(again.model.layers[3].mlp.up_proj.weight, model.model.layers[3].mlp.up_proj.weight)
     assert getattr(model, "hf_quantizer", None) is None
     assert getattr(model.config, "quantization_config", None) is None
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
