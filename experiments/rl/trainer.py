@@ -155,7 +155,8 @@ class GRPOTrainer:
                 self.metrics.write({"step": self.step, **record})
                 if (c.checkpoint.every > 0 and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
                     self.save()
-                bar.set_postfix({k.split("/")[-1]: f"{record[k]:.3f}" for k in ("reward/mean", "eval/accuracy", "loss/policy") if k in record})
+                shown = {"reward": "reward/mean", "eval_acc": "eval/accuracy", "loss": "loss/policy"}
+                bar.set_postfix({label: f"{record[k]:.3f}" for label, k in shown.items() if k in record})
                 bar.update(1)
             bar.close()
         finally:
