@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import transformers
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -60,7 +61,7 @@ class GRPOTrainer:
         self.cfg = OmegaConf.to_object(cfg)
         c = self.cfg
         self.run_dir = Path(c.out_dir)
-        self._prepare_run_dir()
+        self._check_run_dir()
         if c.threads > 0:
             torch.set_num_threads(c.threads)
         self.device = torch.device("cuda" if c.device == "auto" and torch.cuda.is_available() else ("cpu" if c.device == "auto" else c.device))
@@ -84,6 +85,7 @@ class GRPOTrainer:
             self.ref_model, _ = load_model(c.model)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.engine = build_engine(c.rollout, self.model, self.tokenizer)
+        self._record_run()  # only now: a run that failed to set up leaves no run directory behind
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.log.tensorboard)
         self.step = 0
         self.epoch, self.cursor = 0, 0
@@ -91,7 +93,8 @@ class GRPOTrainer:
             self._resume()
 
     # ---- run directory, checkpoints -------------------------------------------------------
-    def _prepare_run_dir(self) -> None:
+    def _check_run_dir(self) -> None:
+        """Refuse to overwrite a run; on resume, refuse a config that differs in a key that matters."""
         c = self.cfg
         saved = self.run_dir / "config.yaml"
         if saved.exists():
@@ -102,10 +105,20 @@ class GRPOTrainer:
             diff = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)} - RESUMABLE_CHANGES
             if diff:
                 raise ConfigError(f"resume: config differs from the saved run in {sorted(diff)}")
+
+    def _record_run(self) -> None:
+        """Write the resolved config and meta.json (git sha, versions); a resumption is appended."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        saved.write_text(to_yaml(self.cfg_yaml))
-        meta = {"git_sha": git_sha(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        (self.run_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg_yaml))
+        now = {"git_sha": git_sha(), "torch": torch.__version__, "transformers": transformers.__version__,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        path = self.run_dir / "meta.json"
+        if self.cfg.resume and path.exists():
+            meta = json.loads(path.read_text())
+            meta.setdefault("resumed", []).append(now)
+        else:
+            meta = {**now, "resumed": []}
+        path.write_text(json.dumps(meta, indent=1))
 
     def _resume(self) -> None:
         found = ckpt.list_checkpoints(self.run_dir)
