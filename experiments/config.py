@@ -15,9 +15,9 @@ is read-only.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -149,6 +149,35 @@ def build_config(overrides: Sequence[str] = (), base_yaml: Optional[str] = "defa
         raise ConfigError(str(e).splitlines()[0]) from None
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """``{field: its trailing # comment}`` from a config dataclass's source."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    return dict(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", source, flags=re.M))
+
+
+def describe() -> str:
+    """Every key with its default and its one-line meaning (``python -m experiments.train --help``)."""
+    nested = {k: t for k, t in get_type_hints(RunConfig).items() if is_dataclass(t)}
+    sections = {"": RunConfig, **nested, **{name: m.config_cls for name, m in sorted(METHODS.items())}}
+    cfg = schema()
+    lines = []
+    for prefix, cls in sections.items():
+        notes = _field_comments(cls)
+        for f in fields(cls):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            if key in nested:
+                continue
+            lines.append(f"  {key + '=' + str(OmegaConf.select(cfg, key)):<42} {notes.get(f.name, '')}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def to_yaml(cfg: DictConfig) -> str:

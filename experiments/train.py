@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import sys
 
-from experiments.config import ConfigError, build_config, to_yaml
+from experiments.config import ConfigError, build_config, describe, to_yaml
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
-        print("Defaults (every key can be overridden as key=value):\n")
-        print(to_yaml(build_config([])))
+        print("Keys, defaults and meanings (override any as key=value):\n")
+        print(describe())
         return 0
     show = "--show" in argv
     argv = [a for a in argv if a != "--show"]

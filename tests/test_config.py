@@ -58,3 +58,12 @@ def test_cli_rejects_bad_key_before_loading_a_model():
                            "print('torch-model-loaded' if 'experiments.rl.trainer' in sys.modules else 'clean')"],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.stdout.strip().endswith("clean"), proc.stdout + proc.stderr
+
+
+def test_every_key_has_a_meaning():
+    from experiments.config import describe
+
+    lines = [l for l in describe().splitlines() if l.strip()]
+    assert len(lines) > 40
+    undocumented = [l.split()[0] for l in lines if len(l.split(None, 1)) < 2]
+    assert not undocumented, f"config fields without a '# meaning' comment: {undocumented}"

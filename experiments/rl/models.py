@@ -35,7 +35,7 @@ class ModelConfig:
     name: str = "smollm2-135m-instruct"  # registry key (smollm2-135m-instruct | tiny-llama) or hub name / local path
     dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
     attn_implementation: str = "sdpa"  # sdpa | eager (eager is needed for forward-mode AD on CPU)
-    gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% slower)
+    gradient_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
     init_seed: int = 0  # seeds the random init of tiny-llama
     tiny_hidden_size: int = 64  # tiny-llama: hidden width
     tiny_intermediate_size: int = 128  # tiny-llama: MLP width
