@@ -1,0 +1,186 @@
+"""``LoGRA``: RowAdam on gradient sketches for the big projections, AdamW for everything else.
+
+For each sketched weight W (m × n) with sketch S = G Aᵀ (m × r, :mod:`logra_core.sketch`):
+
+    v_i ← β₂ v_i + (1 − β₂) · mean_j S_ij²          one second moment per output row
+    v̂ = v / (1 − β₂ᵗ)                               bias correction
+    N = S                  (or m̂, Adam's first moment in sketch space, with ``first_moment``)
+    D = N / (√v̂ + ε)                               (m × r)
+    W ← W − η·λ·W − η · D A                         decoupled weight decay, then the update
+
+A is regenerated from (seed, layer, step) and a fresh one drawn every ``refresh_every`` steps
+(default 1: every step; the first-moment variant needs A held while m̂ lives in its space).
+``D A`` is added with one in-place ``addmm_``, so no tensor of W's size is ever allocated; weights
+in bf16/fp16 keep an fp32 master copy that receives the update and is copied back.
+Every other trainable tensor (norms, embeddings, biases) gets plain AdamW (Loshchilov & Hutter,
+2019), the same formula as ``torch.optim.AdamW``.
+
+Drop-in: ``LoGRA(model, rank=64, lr=1e-5)`` installs the sketch on the model's attention and MLP
+projections and optimizes all of its trainable parameters; ``zero_grad`` clears the sketches.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from logra_core.sketch import DEFAULT_TARGETS, SketchedLinear, install
+
+PROJECTIONS = ("rademacher", "gaussian")
+
+
+class LoGRA(torch.optim.Optimizer):
+    def __init__(
+        self,
+        model: nn.Module,
+        rank: int = 64,
+        lr: float = 1e-5,
+        beta2: float = 0.9,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        first_moment: bool = False,
+        beta1: float = 0.9,
+        refresh_every: int = 1,
+        projection: str = "rademacher",
+        seed: int = 0,
+        targets: Iterable[str] = DEFAULT_TARGETS,
+        dense_lr: float | None = None,
+        dense_betas: tuple[float, float] = (0.9, 0.999),
+        dense_weight_decay: float | None = None,
+    ):
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
+        if rank < 1 or refresh_every < 1 or lr < 0:
+            raise ValueError(f"need rank >= 1, refresh_every >= 1, lr >= 0 (got {rank}, {refresh_every}, {lr})")
+        if first_moment and refresh_every == 1:
+            raise ValueError("first_moment needs A held for several steps: set refresh_every > 1")
+        already = {n: m for n, m in model.named_modules() if isinstance(m, SketchedLinear)}
+        self.modules_by_name = already or install(model, rank, seed, targets, projection)
+        sketched = [m.weight for m in self.modules_by_name.values() if m.weight.requires_grad]
+        ids = {id(p) for p in sketched}
+        dense = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+        groups = [{"params": sketched, "kind": "sketch"}]
+        if dense:
+            groups.append({
+                "params": dense, "kind": "dense",
+                "lr": lr if dense_lr is None else dense_lr,
+                "weight_decay": weight_decay if dense_weight_decay is None else dense_weight_decay,
+                "betas": dense_betas,
+            })
+        defaults = dict(lr=lr, beta2=beta2, eps=eps, weight_decay=weight_decay, first_moment=first_moment,
+                        beta1=beta1, refresh_every=refresh_every, betas=dense_betas)
+        super().__init__(groups, defaults)
+        self.module_of = {id(m.weight): m for m in self.modules_by_name.values()}
+        # LoGRA's own state lives outside ``self.state`` so that load_state_dict does not cast the
+        # fp32 moments and masters of low-precision weights to the weights' dtype.
+        self.sketch_step = 0
+
+    # ---- the update ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["kind"] == "sketch":
+                for p in group["params"]:
+                    self._sketch_update(p, group)
+            else:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._adamw_update(p, group)
+        self.sketch_step += 1
+        for m in self.modules_by_name.values():
+            m.sketch_state.step = self.sketch_step // self.defaults["refresh_every"]
+            m.sketch_state.sketch = None
+        return loss
+
+    def _sketch_update(self, p: torch.Tensor, group: dict) -> None:
+        module = self.module_of[id(p)]
+        s = module.sketch_state.sketch
+        if s is None:  # no backward reached this layer
+            return
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["row_second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+            if p.dtype != torch.float32:
+                state["master"] = p.detach().float().clone()
+        state["step"] += 1
+        t = state["step"]
+        beta2, eps, lr = group["beta2"], group["eps"], group["lr"]
+        v = state["row_second_moment"]
+        v.mul_(beta2).add_(s.square().mean(dim=1), alpha=1 - beta2)
+        numerator = s
+        if group["first_moment"]:
+            m = state.setdefault("first_moment", torch.zeros_like(s))
+            if state.get("first_moment_step") != module.sketch_state.step:  # A changed: old m̂ lives in another space
+                m.zero_()
+                state["first_moment_step"] = module.sketch_state.step
+                state["first_moment_t"] = 0
+            state["first_moment_t"] += 1
+            m.mul_(group["beta1"]).add_(s, alpha=1 - group["beta1"])
+            numerator = m / (1 - group["beta1"] ** state["first_moment_t"])
+        v_hat = v / (1 - beta2**t)
+        d = numerator / (v_hat.sqrt().unsqueeze(1) + eps)
+        basis = module.sketch_state.projection(p.shape[1], p.device)
+        target = state.get("master", p)
+        if group["weight_decay"]:
+            target.mul_(1 - lr * group["weight_decay"])
+        target.addmm_(d.to(target.dtype), basis.to(target.dtype), alpha=-lr)
+        if target is not p:
+            p.copy_(target)
+
+    def _adamw_update(self, p: torch.Tensor, group: dict) -> None:
+        """torch.optim.AdamW's formula, so a scheduler's changes to ``group['lr']`` apply."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        t = float(state["step"])
+        beta1, beta2 = group["betas"]
+        lr, g = group["lr"], p.grad
+        p.mul_(1 - lr * group["weight_decay"])
+        state["exp_avg"].lerp_(g, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
+        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for m in self.modules_by_name.values():
+            m.sketch_state.sketch = None
+
+    # ---- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        sketched = self.param_groups[0]["params"]
+        out["logra"] = {
+            "sketch_step": self.sketch_step,
+            # sketches mid-step (accumulated micro-batches not yet applied), by sketched-param index
+            "sketches": {i: self.module_of[id(p)].sketch_state.sketch for i, p in enumerate(sketched)
+                         if self.module_of[id(p)].sketch_state.sketch is not None},
+            # fp32 tensors of sketched weights, kept out of the dtype cast of load_state_dict
+            "fp32": {i: {k: v for k, v in self.state[p].items() if torch.is_tensor(v)} for i, p in enumerate(sketched)
+                     if p in self.state},
+        }
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("logra")
+        super().load_state_dict(state_dict)
+        self.sketch_step = extra["sketch_step"]
+        sketched = self.param_groups[0]["params"]
+        for i, p in enumerate(sketched):
+            module = self.module_of[id(p)]
+            module.sketch_state.step = self.sketch_step // self.defaults["refresh_every"]
+            module.sketch_state.sketch = extra["sketches"].get(i)
+            for k, v in extra["fp32"].get(i, {}).items():
+                self.state[p][k] = v.to(p.device)
