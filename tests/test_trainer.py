@@ -44,8 +44,12 @@ def _weights(trainer):
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-def test_three_steps_learn_something(tmp_path):
-    cfg = build_config([*TINY, f"out_dir={tmp_path / 'r'}", "train.steps=3"])
+METHOD_ARGS = {"dense": ["method=dense"], "logra": ["method=logra", "logra.rank=8", "logra.lr=1e-3"]}
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_ARGS))
+def test_three_steps_learn_something(tmp_path, method):
+    cfg = build_config([*TINY, f"out_dir={tmp_path / 'r'}", "train.steps=3", *METHOD_ARGS[method]])
     trainer = GRPOTrainer(cfg)
     before = _weights(trainer)
     metrics = trainer.train()
@@ -87,9 +91,10 @@ def _comparable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/"))} for r in rows]
 
 
-def test_resume_invariance(tmp_path):
+@pytest.mark.parametrize("method", sorted(METHOD_ARGS))
+def test_resume_invariance(tmp_path, method):
     """6 steps straight == 3 steps, stop, resume, 3 more: same metrics, same weights."""
-    common = ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=5", "eval.every=3"]
+    common = ["train.steps=6", "checkpoint.every=3", "checkpoint.keep=5", "eval.every=3", *METHOD_ARGS[method]]
     straight, m_straight = run(tmp_path, *common, name="straight")
 
     cfg = build_config([*TINY, f"out_dir={tmp_path / 'split'}", *common])

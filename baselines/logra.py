@@ -1,0 +1,52 @@
+"""LoGRA in the harness: the gradient-sketch optimizer of :mod:`logra_core` behind the method interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from baselines.base import Method, register_method
+from logra_core.optimizer import LoGRA
+from logra_core.sketch import DEFAULT_TARGETS
+
+
+@dataclass
+class LoGRAConfig:
+    rank: int = 64  # sketch rank r of every sketched projection (LoGRA paper)
+    lr: float = 1e-5  # learning rate of the sketched update ΔW = −lr·D·A
+    beta2: float = 0.9  # RowAdam second-moment decay, one moment per output row
+    eps: float = 1e-8  # RowAdam denominator epsilon
+    weight_decay: float = 0.0  # decoupled weight decay of sketched weights
+    first_moment: bool = False  # Adam's first moment in sketch space (needs refresh_every > 1)
+    beta1: float = 0.9  # first-moment decay (with first_moment)
+    refresh_every: int = 1  # draw a new projection A every N steps
+    projection: str = "rademacher"  # rademacher | gaussian
+    seed: int = 0  # seeds A = f(seed, layer, step)
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # regexes of the nn.Linear names to sketch
+    dense_lr: float = 5e-6  # AdamW learning rate of the tensors that are not sketched (embeddings, norms)
+    max_grad_norm: float = 1.0  # clip the global norm of the dense (unsketched) gradients; 0 = off
+
+
+@register_method("logra")
+class LoGRAMethod(Method):
+    """Attention and MLP projections learn through sketches (no dense gradient); the rest via AdamW."""
+
+    config_cls = LoGRAConfig
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        c = self.cfg
+        self.optimizer = LoGRA(
+            model, rank=c.rank, lr=c.lr, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
+            first_moment=c.first_moment, beta1=c.beta1, refresh_every=c.refresh_every,
+            projection=c.projection, seed=c.seed, targets=c.targets, dense_lr=c.dense_lr,
+        )
+        self.dense_params = [p for g in self.optimizer.param_groups if g["kind"] == "dense" for p in g["params"]]
+        return self.optimizer
+
+    def step(self) -> dict[str, float]:
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.dense_params, max_norm) if self.dense_params else torch.tensor(0.0)
+        self.optimizer.step()
+        return {"step/grad_norm": float(grad_norm)}
