@@ -1,0 +1,104 @@
+"""Peak memory of one GRPO training step per method, each in a fresh process, side by side.
+
+    python -m experiments.memory.step_bench [methods=dense,logra] [model=smollm2-135m-instruct]
+        [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [any run-config key=value ...]
+
+Every method trains on the same fixed rollout batch (arith prompts, seeded random completion
+tokens, fixed advantages) through the trainer's own code path (``accumulate_gradients`` then the
+method's ``step``), for ``steps`` updates so optimizer state exists at the peak. Each child reports
+its peak resident set size (``ru_maxrss``) and the RSS right after the model loaded; the parent
+prints both and the ratio of each method's peak to the first method's. On CUDA it reports the
+allocator's peak instead.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+BENCH_KEYS = {"methods": "dense,logra", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2"}
+
+
+def _split(argv: list[str]) -> tuple[dict, list[str]]:
+    bench, rest = dict(BENCH_KEYS), []
+    for a in argv:
+        key, _, value = a.partition("=")
+        if key in bench:
+            bench[key] = value
+        else:
+            rest.append(a)
+    return bench, rest
+
+
+def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0):
+    """A deterministic rollout batch: real arith prompts, random completion tokens, full masks."""
+    from experiments.rl.rollout import Rollouts
+    from experiments.rl.tasks import TaskConfig, build_task, format_prompt
+
+    problems = build_task(TaskConfig(name="arith")).train_split()[:seqs]
+    enc = tokenizer([format_prompt(tokenizer, p, TaskConfig().instruction) for p in problems],
+                    return_tensors="pt", padding=True, add_special_tokens=False)
+    g = torch.Generator().manual_seed(seed)
+    completion = torch.randint(0, len(tokenizer), (seqs, completion_len), generator=g)
+    ones = torch.ones_like(completion)
+    return Rollouts(enc.input_ids, enc.attention_mask, completion, ones, torch.zeros(seqs, completion_len),
+                    [""] * seqs, torch.zeros(seqs, dtype=torch.bool))
+
+
+def child(method: str, bench: dict, overrides: list[str]) -> dict:
+    from experiments.config import build_config
+    from experiments.rl.metrics import peak_rss_bytes
+    from experiments.rl.trainer import GRPOTrainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = build_config([f"method={method}", f"out_dir={tmp}/run", "log.progress=false", "eval.every=0", *overrides])
+        trainer = GRPOTrainer(cfg)
+        rss_after_load = peak_rss_bytes()
+        device = trainer.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seqs, mb = int(bench["seqs"]), int(bench["micro_batch"])
+        rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(bench["completion_len"]))
+        advantages = torch.linspace(-1.0, 1.0, seqs)
+        rows = torch.arange(seqs)
+        for _ in range(int(bench["steps"])):
+            trainer.method.zero_grad()
+            trainer.accumulate_gradients(rollouts, advantages, [rows[i : i + mb] for i in range(0, seqs, mb)])
+            trainer.method.step()
+        trainer.close()
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    return {"method": method, "peak_bytes": peak, "rss_after_load_bytes": rss_after_load, "device": device.type}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--child":
+        bench, rest = _split(argv[2:])
+        print("RESULT " + json.dumps(child(argv[1], bench, rest)))
+        return 0
+    bench, rest = _split(argv)
+    results = []
+    for method in bench["methods"].split(","):
+        cmd = [sys.executable, "-m", "experiments.memory.step_bench", "--child", method, *argv]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"{method}: the benchmark process failed (exit {proc.returncode})")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    base = results[0]["peak_bytes"]
+    print(f"one GRPO step x{bench['steps']}: {bench['seqs']} sequences, micro-batch {bench['micro_batch']}, "
+          f"{bench['completion_len']} completion tokens; overrides: {' '.join(rest) or '-'}")
+    print(f"{'method':<10} {'peak MiB':>10} {'after load MiB':>15} {'peak / ' + results[0]['method']:>14}")
+    for r in results:
+        print(f"{r['method']:<10} {r['peak_bytes'] / 2**20:>10.0f} {r['rss_after_load_bytes'] / 2**20:>15.0f} "
+              f"{r['peak_bytes'] / base:>14.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
