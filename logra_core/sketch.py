@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -93,8 +93,7 @@ class SketchState:
     sketch: Optional[torch.Tensor] = None  # S (m × r), fp32, accumulated over micro-batches
     basis: Optional[torch.Tensor] = None  # A (r × n); cached for the current step only
     basis_step: int = -1
-    fixed_basis: Optional[torch.Tensor] = None  # set by the optimizer to override A (svd variant)
-    extra: dict = field(default_factory=dict)
+    fixed_basis: Optional[torch.Tensor] = None  # a given A that overrides the hashed one (tests, fixed-subspace variants)
 
     def projection(self, cols: int, device) -> torch.Tensor:
         if self.fixed_basis is not None:
