@@ -25,6 +25,7 @@ class LoGRAConfig:
     projection: str = "rademacher"  # rademacher | gaussian
     seed: int = 0  # seeds A = f(seed, layer, step)
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # regexes of the nn.Linear names to sketch
+    embeddings: bool = False  # also sketch the input embedding and an LM head tied to it (else they train by AdamW)
     dense_lr: float = 5e-6  # AdamW learning rate of the tensors that are not sketched (embeddings, norms)
     max_grad_norm: float = 1.0  # clip the global norm of the dense (unsketched) gradients; 0 = off
 
@@ -40,7 +41,7 @@ class LoGRAMethod(Method):
         self.optimizer = LoGRA(
             model, rank=c.rank, lr=c.lr, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
             first_moment=c.first_moment, beta1=c.beta1, refresh_every=c.refresh_every,
-            projection=c.projection, seed=c.seed, targets=c.targets, dense_lr=c.dense_lr,
+            projection=c.projection, seed=c.seed, targets=c.targets, embeddings=c.embeddings, dense_lr=c.dense_lr,
         )
         self.dense_params = [p for g in self.optimizer.param_groups if g["kind"] == "dense" for p in g["params"]]
         return self.optimizer

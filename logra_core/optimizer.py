@@ -16,7 +16,8 @@ Every other trainable tensor (norms, embeddings, biases) gets plain AdamW (Loshc
 2019), the same formula as ``torch.optim.AdamW``.
 
 Drop-in: ``LoGRA(model, rank=64, lr=1e-5)`` installs the sketch on the model's attention and MLP
-projections and optimizes all of its trainable parameters; ``zero_grad`` clears the sketches.
+projections (with ``embeddings=True`` also on the input embedding and a head tied to it) and
+optimizes all of its trainable parameters; ``zero_grad`` clears the sketches.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from logra_core.sketch import DEFAULT_TARGETS, SketchedLinear, install
+from logra_core.sketch import DEFAULT_TARGETS, SketchedEmbedding, SketchedLinear, install
 
 PROJECTIONS = ("rademacher", "gaussian")
 
@@ -47,6 +48,7 @@ class LoGRA(torch.optim.Optimizer):
         projection: str = "rademacher",
         seed: int = 0,
         targets: Iterable[str] = DEFAULT_TARGETS,
+        embeddings: bool = False,
         dense_lr: float | None = None,
         dense_betas: tuple[float, float] = (0.9, 0.999),
         dense_weight_decay: float | None = None,
@@ -57,10 +59,11 @@ class LoGRA(torch.optim.Optimizer):
             raise ValueError(f"need rank >= 1, refresh_every >= 1, lr >= 0 (got {rank}, {refresh_every}, {lr})")
         if first_moment and refresh_every == 1:
             raise ValueError("first_moment needs A held for several steps: set refresh_every > 1")
-        already = {n: m for n, m in model.named_modules() if isinstance(m, SketchedLinear)}
-        self.modules_by_name = already or install(model, rank, seed, targets, projection)
-        sketched = [m.weight for m in self.modules_by_name.values() if m.weight.requires_grad]
-        ids = {id(p) for p in sketched}
+        already = {n: m for n, m in model.named_modules() if isinstance(m, (SketchedLinear, SketchedEmbedding))}
+        self.modules_by_name = already or install(model, rank, seed, targets, projection, embeddings)
+        unique = {id(m.weight): m.weight for m in self.modules_by_name.values()}  # a tied head shares the embedding's
+        sketched = [p for p in unique.values() if p.requires_grad]
+        ids = set(unique)
         dense = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
         groups = [{"params": sketched, "kind": "sketch"}]
         if dense:

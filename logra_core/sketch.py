@@ -153,24 +153,84 @@ def select_linears(model: nn.Module, targets: Iterable[str] = DEFAULT_TARGETS) -
             if isinstance(m, nn.Linear) and any(p.search(n) for p in patterns)]
 
 
-def install(model: nn.Module, rank: int, seed: int = 0, targets: Iterable[str] = DEFAULT_TARGETS,
-            kind: str = "rademacher") -> dict[str, SketchedLinear]:
-    """Turn the selected linears of ``model`` into :class:`SketchedLinear`; return them by name.
+class _SketchedEmbeddingFn(torch.autograd.Function):
+    """out = W[ids]; backward: S[v] += Σ_{t: ids_t = v} (∂L/∂out_t) Aᵀ, and no gradient for W.
 
-    Tied weights (an LM head sharing the embedding matrix) cannot be sketched: the embedding's
-    gradient is dense anyway. A rank above a layer's input width is refused.
+    The dense embedding gradient G (V × d) has row v = Σ_{t: ids_t = v} ∂L/∂out_t, so this is
+    exactly S = G Aᵀ (V × r), scattered from the (tokens × r) projected output gradient.
     """
-    chosen = select_linears(model, targets)
-    if not chosen:
+
+    @staticmethod
+    def forward(ctx, ids, weight, basis, state: SketchState, padding_idx):
+        ctx.save_for_backward(ids, basis)
+        ctx.state, ctx.num_rows = state, weight.shape[0]
+        return nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ids, basis = ctx.saved_tensors
+        state = ctx.state
+        projected = grad_out.reshape(-1, grad_out.shape[-1]).to(basis.dtype) @ basis.t()  # tokens × r
+        if state.sketch is None:
+            state.sketch = torch.zeros(ctx.num_rows, basis.shape[0], dtype=torch.float32, device=basis.device)
+        state.sketch.index_add_(0, ids.reshape(-1), projected.float())
+        return None, None, None, None, None
+
+
+class SketchedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose weight gradient is sketched (and so is a tied LM head's)."""
+
+    sketch_state: SketchState
+
+    def forward(self, ids):
+        if not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return nn.functional.embedding(ids, self.weight, self.padding_idx)
+        basis = self.sketch_state.projection(self.embedding_dim, self.weight.device)
+        return _SketchedEmbeddingFn.apply(ids, self.weight, basis, self.sketch_state, self.padding_idx)
+
+
+def _attach(module: nn.Module, cls: type, state: SketchState) -> None:
+    module.__class__ = cls
+    module.sketch_state = state
+    module.weight.sketch_state = state  # found by code that sees only the weight (the chunked head)
+
+
+def install(model: nn.Module, rank: int, seed: int = 0, targets: Iterable[str] = DEFAULT_TARGETS,
+            kind: str = "rademacher", embeddings: bool = False) -> dict[str, nn.Module]:
+    """Sketch the selected linears of ``model`` (and its input embedding with ``embeddings``).
+
+    Returns the sketched modules by name. Modules change class in place (:class:`SketchedLinear`,
+    :class:`SketchedEmbedding`), so parameters, names and checkpoint keys stay as they were. An LM
+    head tied to the embedding shares the embedding's sketch state (one V × r sketch receives
+    both gradients); it is sketched exactly when the embedding is. A rank above a layer's input
+    width is refused.
+    """
+    emb = model.get_input_embeddings() if embeddings else None
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    chosen = []
+    for name, module in select_linears(model, targets):
+        if id(module.weight) in embedding_weights:
+            if embeddings:
+                continue  # a tied head: sketched with the embedding below
+            raise ValueError(f"{name} shares its weight with an embedding (tied): sketch it with embeddings=True")
+        chosen.append((name, module))
+    if not chosen and emb is None:
         raise ValueError(f"no nn.Linear in the model matches targets {list(targets)}")
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     out = {}
     for layer, (name, module) in enumerate(chosen):
-        if id(module.weight) in embeddings:
-            raise ValueError(f"{name} shares its weight with an embedding (tied); leave it out of logra targets")
         if rank > module.in_features:
             raise ValueError(f"sketch rank {rank} exceeds {name}'s input width {module.in_features}")
-        module.__class__ = SketchedLinear
-        module.sketch_state = SketchState(layer=layer, rank=rank, seed=seed, kind=kind)
+        _attach(module, SketchedLinear, SketchState(layer=layer, rank=rank, seed=seed, kind=kind))
         out[name] = module
+    if emb is not None:
+        if rank > emb.embedding_dim:
+            raise ValueError(f"sketch rank {rank} exceeds the embedding width {emb.embedding_dim}")
+        state = SketchState(layer=len(chosen), rank=rank, seed=seed, kind=kind)
+        names = {id(m): n for n, m in model.named_modules()}
+        _attach(emb, SketchedEmbedding, state)
+        out[names[id(emb)]] = emb
+        for name, module in model.named_modules():  # a head tied to the embedding
+            if isinstance(module, nn.Linear) and module.weight is emb.weight:
+                _attach(module, SketchedLinear, state)
+                out[name] = module
     return out

@@ -59,18 +59,19 @@ def _tiny_batch():
     return torch.randint(0, 1000, (3, 7), generator=g)  # 21 tokens: no activation is weight-shaped
 
 
-@pytest.mark.parametrize("method", ["logra", "dense"])
+@pytest.mark.parametrize("method", ["logra", "logra_embeddings", "dense"])
 def test_no_tensor_of_a_sketched_weights_size_in_backward(method):
     model, _ = load_model(ModelConfig(name="tiny-llama"))
-    weights = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith("proj.weight")}
-    if method == "logra":
-        LoGRA(model, rank=8)
+    suffixes = ("proj.weight", "embed_tokens.weight") if method != "logra" else ("proj.weight",)
+    weights = {n: tuple(p.shape) for n, p in model.named_parameters() if n.endswith(suffixes)}
+    if method != "dense":
+        LoGRA(model, rank=8, embeddings=method == "logra_embeddings")
     ids = _tiny_batch()
     loss = model(input_ids=ids, labels=ids).loss
     with _ShapeRecorder() as rec:
         loss.backward()
     seen = {n for n, s in weights.items() if s in rec.shapes or s[::-1] in rec.shapes}
-    if method == "logra":
+    if method != "dense":
         assert not seen, f"weight-sized tensors allocated in backward: {sorted(seen)}"
         assert all(p.grad is None for n, p in model.named_parameters() if n in weights)
     else:  # the tracker does see dense gradients: the test can fail
@@ -85,7 +86,7 @@ def _train_steps(model, opt, batches):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", [{}, {"first_moment": True, "refresh_every": 2}, {"projection": "gaussian"}])
+@pytest.mark.parametrize("variant", [{}, {"first_moment": True, "refresh_every": 2}, {"projection": "gaussian"}, {"embeddings": True}])
 def test_state_dict_round_trip_gives_identical_next_step(dtype, variant):
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 1000, (2, 9), generator=g) for _ in range(4)]

@@ -44,7 +44,11 @@ def _weights(trainer):
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
-METHOD_ARGS = {"dense": ["method=dense"], "logra": ["method=logra", "logra.rank=8", "logra.lr=1e-3"]}
+METHOD_ARGS = {
+    "dense": ["method=dense"],
+    "logra": ["method=logra", "logra.rank=8", "logra.lr=1e-3"],
+    "logra_embeddings": ["method=logra", "logra.rank=8", "logra.lr=1e-3", "logra.embeddings=true"],
+}
 
 
 @pytest.mark.parametrize("method", sorted(METHOD_ARGS))

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from logra_core.chunked_head import chunked_token_logprobs
+
 
 @dataclass
 class GRPOConfig:
@@ -26,6 +28,7 @@ class GRPOConfig:
     std_normalize: bool = True  # divide advantages by the group's reward std (Dr. GRPO argues off)
     kl_coef: float = 0.0  # weight of the k3 KL penalty to the initial policy; > 0 keeps a model copy
     skip_zero_advantage: bool = True  # drop sequences whose advantage is 0 (groups with equal rewards)
+    logprob_chunk: int = 256  # tokens per LM-head chunk when computing log-probs (no tokens × vocab tensor); 0 = full logits
 
     def __post_init__(self):
         for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "ppo_epochs"):
@@ -97,15 +100,25 @@ def clipped_policy_loss(
     return loss, stats
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_len: int) -> torch.Tensor:
+def completion_logprobs(model, input_ids, attention_mask, completion_len: int, chunk: int = 0) -> torch.Tensor:
     """Per-token log-probs of the last ``completion_len`` tokens of each row.
 
     input_ids, attention_mask: [B, P + C] — prompts left-padded, completions right-padded, so
-    the completions occupy the last C = completion_len columns. Only the C logits that predict
-    them are computed (``logits_to_keep``), which skips the LM head over the prompt.
+    the completions occupy the last C = completion_len columns. Only the C positions that predict
+    them go through the LM head. With ``chunk > 0`` (and a plain linear head) the head runs
+    ``chunk`` tokens at a time inside one autograd function (:mod:`logra_core.chunked_head`), so
+    no [B, C, V] logits tensor exists; otherwise the model's own ``logits_to_keep`` path is used.
     Position ids follow the attention mask, as in generation. Returns [B, C] fp32.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    targets = input_ids[:, -completion_len:]
+    head = model.get_output_embeddings()
+    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None and not getattr(model.config, "final_logit_softcapping", None)
+    if chunk > 0 and plain_head:
+        hidden = model.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state[:, -completion_len - 1 : -1]
+        return chunked_token_logprobs(hidden, head.weight, targets, chunk)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -113,5 +126,4 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int) -
         logits_to_keep=completion_len + 1,
         use_cache=False,
     )
-    logits = out.logits[:, :-1, :]
-    return token_logprobs(logits, input_ids[:, -completion_len:])
+    return token_logprobs(out.logits[:, :-1, :], targets)

@@ -266,7 +266,8 @@ class GRPOTrainer:
 
     def _logprobs(self, model, mb: Rollouts) -> torch.Tensor:
         ids, mask = mb.model_inputs()
-        return completion_logprobs(model, ids.to(self.device), mask.to(self.device), mb.completion_ids.shape[1])
+        return completion_logprobs(model, ids.to(self.device), mask.to(self.device), mb.completion_ids.shape[1],
+                                   self.cfg.train.logprob_chunk)
 
     # ---- evaluation, logging --------------------------------------------------------------
     @torch.no_grad()

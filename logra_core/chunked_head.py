@@ -1,0 +1,70 @@
+"""Per-token log-probs through the LM head without a tokens × vocabulary tensor in memory.
+
+For hidden states h (N × d), head weight W (V × d) and targets y (N):
+
+    z = h Wᵀ,   log p(y) = z_y − logsumexp(z)
+
+computed ``chunk`` tokens at a time. Forward keeps only logsumexp (N floats); backward recomputes
+each chunk's logits and, with g = ∂L/∂log p(y) and p = softmax(z),
+
+    ∂L/∂z = g · (onehot(y) − p),   ∂L/∂h = (∂L/∂z) W,   ∂L/∂W = (∂L/∂z)ᵀ h.
+
+So the peak holds one chunk × V block instead of several N × V ones (logits, their softmax, and
+their gradient). When the head weight is sketched (:mod:`logra_core.sketch`, e.g. a tied
+embedding under LoGRA), ∂L/∂W is never formed either: the sketch receives (∂L/∂z)ᵀ (h Aᵀ).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from logra_core.sketch import SketchState
+
+
+class _ChunkedHeadLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int, state: SketchState | None):
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        picked = torch.empty_like(lse)
+        for i in range(0, hidden.shape[0], chunk):
+            z = (hidden[i : i + chunk] @ weight.t()).float()
+            lse[i : i + chunk] = torch.logsumexp(z, dim=-1)
+            picked[i : i + chunk] = z.gather(-1, targets[i : i + chunk, None]).squeeze(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.state = chunk, state
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_logprob):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        state = ctx.state
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        want_w = ctx.needs_input_grad[1] and state is None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+        basis = state.projection(weight.shape[1], weight.device) if state is not None else None
+        for i in range(0, hidden.shape[0], ctx.chunk):
+            h, g = hidden[i : i + ctx.chunk], grad_logprob[i : i + ctx.chunk].float()
+            p = torch.exp((h @ weight.t()).float() - lse[i : i + ctx.chunk, None])
+            dz = p.mul_(-g[:, None])
+            dz.scatter_add_(-1, targets[i : i + ctx.chunk, None], g[:, None])  # + g at the target
+            if grad_h is not None:
+                grad_h[i : i + ctx.chunk] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(dz.t(), h.float())
+            if state is not None:
+                contribution = dz.t() @ (h.float() @ basis.t())  # V × r
+                state.sketch = contribution if state.sketch is None else state.sketch.add_(contribution)
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                           chunk: int = 1024) -> torch.Tensor:
+    """log softmax(hidden Wᵀ)[targets] for hidden [..., d], weight [V, d], targets [...] -> [...] (fp32).
+
+    A weight that carries a ``sketch_state`` (a LoGRA-sketched embedding or head) gets its
+    gradient as a sketch; otherwise it gets an ordinary ``.grad``.
+    """
+    state = getattr(weight, "sketch_state", None)
+    shape = targets.shape
+    out = _ChunkedHeadLogprob.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk, state)
+    return out.view(shape)
