@@ -1,7 +1,10 @@
 """Peak memory of one GRPO training step per method, each in a fresh process, side by side.
 
-    python -m experiments.memory.step_bench [methods=dense,logra] [model=smollm2-135m-instruct]
+    python -m experiments.memory.step_bench [variants="dense;logra;logra logra.embeddings=true"]
         [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [any run-config key=value ...]
+
+A variant is a method name followed by its own overrides; the other ``key=value`` arguments
+apply to every variant (e.g. ``model.gradient_checkpointing=true train.logprob_chunk=0``).
 
 Every method trains on the same fixed rollout batch (arith prompts, seeded random completion
 tokens, fixed advantages) through the trainer's own code path (``accumulate_gradients`` then the
@@ -20,7 +23,7 @@ import tempfile
 
 import torch
 
-BENCH_KEYS = {"methods": "dense,logra", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2"}
+BENCH_KEYS = {"variants": "dense;logra;logra logra.embeddings=true", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2"}
 
 
 def _split(argv: list[str]) -> tuple[dict, list[str]]:
@@ -49,13 +52,14 @@ def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0):
                     [""] * seqs, torch.zeros(seqs, dtype=torch.bool))
 
 
-def child(method: str, bench: dict, overrides: list[str]) -> dict:
+def child(variant: str, bench: dict, overrides: list[str]) -> dict:
     from experiments.config import build_config
     from experiments.rl.metrics import peak_rss_bytes
     from experiments.rl.trainer import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = build_config([f"method={method}", f"out_dir={tmp}/run", "log.progress=false", "eval.every=0", *overrides])
+        method, *own = variant.split()
+        cfg = build_config([f"method={method}", f"out_dir={tmp}/run", "log.progress=false", "eval.every=0", *overrides, *own])
         trainer = GRPOTrainer(cfg)
         rss_after_load = peak_rss_bytes()
         device = trainer.device
@@ -71,7 +75,7 @@ def child(method: str, bench: dict, overrides: list[str]) -> dict:
             trainer.method.step()
         trainer.close()
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
-    return {"method": method, "peak_bytes": peak, "rss_after_load_bytes": rss_after_load, "device": device.type}
+    return {"variant": variant, "peak_bytes": peak, "rss_after_load_bytes": rss_after_load, "device": device.type}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,21 +86,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     bench, rest = _split(argv)
     results = []
-    for method in bench["methods"].split(","):
-        cmd = [sys.executable, "-m", "experiments.memory.step_bench", "--child", method, *argv]
+    for variant in [v.strip() for v in bench["variants"].split(";") if v.strip()]:
+        cmd = [sys.executable, "-m", "experiments.memory.step_bench", "--child", variant, *argv]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode or not lines:
             print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"{method}: the benchmark process failed (exit {proc.returncode})")
+            raise SystemExit(f"{variant}: the benchmark process failed (exit {proc.returncode})")
         results.append(json.loads(lines[-1][len("RESULT "):]))
     base = results[0]["peak_bytes"]
     print(f"one GRPO step x{bench['steps']}: {bench['seqs']} sequences, micro-batch {bench['micro_batch']}, "
           f"{bench['completion_len']} completion tokens; overrides: {' '.join(rest) or '-'}")
-    print(f"{'method':<10} {'peak MiB':>10} {'after load MiB':>15} {'peak / ' + results[0]['method']:>14}")
+    print(f"{'variant':<32} {'peak MiB':>10} {'after load MiB':>15} {'peak / ' + results[0]['variant']:>16}")
     for r in results:
-        print(f"{r['method']:<10} {r['peak_bytes'] / 2**20:>10.0f} {r['rss_after_load_bytes'] / 2**20:>15.0f} "
-              f"{r['peak_bytes'] / base:>14.3f}")
+        print(f"{r['variant']:<32} {r['peak_bytes'] / 2**20:>10.0f} {r['rss_after_load_bytes'] / 2**20:>15.0f} "
+              f"{r['peak_bytes'] / base:>16.3f}")
     return 0
 
 
