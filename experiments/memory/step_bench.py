@@ -12,18 +12,27 @@ method's ``step``), for ``steps`` updates so optimizer state exists at the peak.
 its peak resident set size (``ru_maxrss``) and the RSS right after the model loaded; the parent
 prints both and the ratio of each method's peak to the first method's. On CUDA it reports the
 allocator's peak instead.
+
+glibc raises its mmap threshold dynamically as large blocks are freed, after which freed tensor
+memory stays in the heap and counts in RSS; the children run with ``MALLOC_MMAP_THRESHOLD_`` fixed
+(``malloc_mmap_threshold=65536`` bytes by default, 0 = glibc's default) so that RSS follows the
+live tensors. The same setting applies to every variant. ``out=<file.json>`` also writes the
+figures with the command line and the git sha.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
-BENCH_KEYS = {"variants": "dense;logra;logra logra.embeddings=true", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2"}
+BENCH_KEYS = {"variants": "dense;logra;logra logra.embeddings=true", "seqs": "8", "micro_batch": "4",
+              "completion_len": "128", "steps": "2", "malloc_mmap_threshold": "65536", "out": ""}
 
 
 def _split(argv: list[str]) -> tuple[dict, list[str]]:
@@ -88,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for variant in [v.strip() for v in bench["variants"].split(";") if v.strip()]:
         cmd = [sys.executable, "-m", "experiments.memory.step_bench", "--child", variant, *argv]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        env = dict(os.environ)
+        if int(bench["malloc_mmap_threshold"]) > 0:
+            env["MALLOC_MMAP_THRESHOLD_"] = bench["malloc_mmap_threshold"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode or not lines:
             print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
@@ -96,11 +108,20 @@ def main(argv: list[str] | None = None) -> int:
         results.append(json.loads(lines[-1][len("RESULT "):]))
     base = results[0]["peak_bytes"]
     print(f"one GRPO step x{bench['steps']}: {bench['seqs']} sequences, micro-batch {bench['micro_batch']}, "
-          f"{bench['completion_len']} completion tokens; overrides: {' '.join(rest) or '-'}")
+          f"{bench['completion_len']} completion tokens; MALLOC_MMAP_THRESHOLD_={bench['malloc_mmap_threshold']}; "
+          f"overrides: {' '.join(rest) or '-'}")
     print(f"{'variant':<32} {'peak MiB':>10} {'after load MiB':>15} {'peak / ' + results[0]['variant']:>16}")
     for r in results:
         print(f"{r['variant']:<32} {r['peak_bytes'] / 2**20:>10.0f} {r['rss_after_load_bytes'] / 2**20:>15.0f} "
               f"{r['peak_bytes'] / base:>16.3f}")
+    if bench["out"]:
+        from experiments.rl.trainer import git_sha
+
+        record = {"command": "python -m experiments.memory.step_bench " + " ".join(argv), "git_sha": git_sha(),
+                  "bench": bench, "overrides": rest,
+                  "results": [{**r, "ratio_to_first": r["peak_bytes"] / base} for r in results]}
+        Path(bench["out"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(bench["out"]).write_text(json.dumps(record, indent=1))
     return 0
 
 
