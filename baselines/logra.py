@@ -22,7 +22,9 @@ class LoGRAConfig:
     first_moment: bool = False  # Adam's first moment in sketch space (needs refresh_every > 1)
     beta1: float = 0.9  # first-moment decay (with first_moment)
     refresh_every: int = 1  # draw a new projection A every N steps
-    projection: str = "rademacher"  # rademacher | gaussian
+    projection: str = "rademacher"  # rademacher | gaussian | svd (GaLore's top-r gradient subspace, Zhao et al., 2024)
+    moments: str = "keep"  # svd: what Adam's moments do when the subspace is refreshed: keep | reset | rotate
+    svd_scale: float = 1.0  # svd: scale of the projected-back update (GaLore's `scale`)
     seed: int = 0  # seeds A = f(seed, layer, step)
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # regexes of the nn.Linear names to sketch
     embeddings: bool = False  # also sketch the input embedding and an LM head tied to it (else they train by AdamW)
@@ -41,7 +43,7 @@ class LoGRAMethod(Method):
         self.optimizer = LoGRA(
             model, rank=c.rank, lr=c.lr, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
             first_moment=c.first_moment, beta1=c.beta1, refresh_every=c.refresh_every,
-            projection=c.projection, seed=c.seed, targets=c.targets, embeddings=c.embeddings, dense_lr=c.dense_lr,
+            projection=c.projection, moments=c.moments, svd_scale=c.svd_scale, seed=c.seed, targets=c.targets, embeddings=c.embeddings, dense_lr=c.dense_lr,
         )
         self.dense_params = [p for g in self.optimizer.param_groups if g["kind"] == "dense" for p in g["params"]]
         return self.optimizer

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from logra_core.sketch import DEFAULT_TARGETS, SketchedEmbedding, SketchedLinear, install
+from logra_core.svd_projector import MOMENTS, SVDProjector
 
-PROJECTIONS = ("rademacher", "gaussian")
+PROJECTIONS = ("rademacher", "gaussian", "svd")
 
 
 class LoGRA(torch.optim.Optimizer):
@@ -46,6 +47,8 @@ class LoGRA(torch.optim.Optimizer):
         beta1: float = 0.9,
         refresh_every: int = 1,
         projection: str = "rademacher",
+        moments: str = "keep",
+        svd_scale: float = 1.0,
         seed: int = 0,
         targets: Iterable[str] = DEFAULT_TARGETS,
         embeddings: bool = False,
@@ -57,10 +60,13 @@ class LoGRA(torch.optim.Optimizer):
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
         if rank < 1 or refresh_every < 1 or lr < 0:
             raise ValueError(f"need rank >= 1, refresh_every >= 1, lr >= 0 (got {rank}, {refresh_every}, {lr})")
+        if moments not in MOMENTS:
+            raise ValueError(f"moments must be one of {MOMENTS}, got {moments!r}")
         if first_moment and refresh_every == 1:
             raise ValueError("first_moment needs A held for several steps: set refresh_every > 1")
         already = {n: m for n, m in model.named_modules() if isinstance(m, (SketchedLinear, SketchedEmbedding))}
-        self.modules_by_name = already or install(model, rank, seed, targets, projection, embeddings)
+        kind = "rademacher" if projection == "svd" else projection
+        self.modules_by_name = already or install(model, rank, seed, targets, kind, embeddings)
         unique = {id(m.weight): m.weight for m in self.modules_by_name.values()}  # a tied head shares the embedding's
         sketched = [p for p in unique.values() if p.requires_grad]
         ids = set(unique)
@@ -74,12 +80,18 @@ class LoGRA(torch.optim.Optimizer):
                 "betas": dense_betas,
             })
         defaults = dict(lr=lr, beta2=beta2, eps=eps, weight_decay=weight_decay, first_moment=first_moment,
-                        beta1=beta1, refresh_every=refresh_every, betas=dense_betas)
+                        beta1=beta1, refresh_every=refresh_every, betas=dense_betas, projection=projection,
+                        moments=moments, svd_scale=svd_scale)
         super().__init__(groups, defaults)
         self.module_of = {id(m.weight): m for m in self.modules_by_name.values()}
         # LoGRA's own state lives outside ``self.state`` so that load_state_dict does not cast the
         # fp32 moments and masters of low-precision weights to the weights' dtype.
         self.sketch_step = 0
+        if projection == "svd":
+            small = [n for n, m in self.modules_by_name.items() if rank > min(m.weight.shape)]
+            if small:
+                raise ValueError(f"svd rank {rank} exceeds the smaller dimension of {small[:3]}")
+        self._prepare_next_step()
 
     # ---- the update ------------------------------------------------------------------------
     @torch.no_grad()
@@ -90,17 +102,29 @@ class LoGRA(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             if group["kind"] == "sketch":
+                update = self._svd_update if group["projection"] == "svd" else self._sketch_update
                 for p in group["params"]:
-                    self._sketch_update(p, group)
+                    update(p, group)
             else:
                 for p in group["params"]:
                     if p.grad is not None:
                         self._adamw_update(p, group)
         self.sketch_step += 1
-        for m in self.modules_by_name.values():
-            m.sketch_state.step = self.sketch_step // self.defaults["refresh_every"]
-            m.sketch_state.sketch = None
+        self._prepare_next_step()
         return loss
+
+    def _prepare_next_step(self) -> None:
+        """Clear the sketches and set what the next backward accumulates (A's step; the svd mode)."""
+        svd, every = self.defaults["projection"] == "svd", self.defaults["refresh_every"]
+        for m in self.modules_by_name.values():
+            state = m.sketch_state
+            state.sketch = None
+            state.step = self.sketch_step // every
+            if svd:
+                st = self.state.get(m.weight, {})
+                refresh = st.get("step", 0) % every == 0 or "svd_basis" not in st
+                state.mode = "dense" if refresh else SVDProjector(m.weight.shape, state.rank).side
+                state.fixed_basis = None if refresh else st["svd_basis"]
 
     def _sketch_update(self, p: torch.Tensor, group: dict) -> None:
         module = self.module_of[id(p)]
@@ -135,6 +159,42 @@ class LoGRA(torch.optim.Optimizer):
         if group["weight_decay"]:
             target.mul_(1 - lr * group["weight_decay"])
         target.addmm_(d.to(target.dtype), basis.to(target.dtype), alpha=-lr)
+        if target is not p:
+            p.copy_(target)
+
+    def _svd_update(self, p: torch.Tensor, group: dict) -> None:
+        """GaLoreAdamW's update on the svd subspace (:mod:`logra_core.svd_projector`)."""
+        module = self.module_of[id(p)]
+        s = module.sketch_state.sketch
+        if s is None:
+            return
+        state = self.state[p]
+        proj = SVDProjector(p.shape, module.sketch_state.rank)
+        proj.basis = state.get("svd_basis")
+        if module.sketch_state.mode == "dense":  # a refresh step: s is the dense gradient
+            old = proj.refresh(s)
+            low = proj.project(s)
+            state["svd_basis"] = proj.basis
+            if "exp_avg" in state:
+                proj.carry_moments(group["moments"], old, state["exp_avg"], state["exp_avg_sq"])
+        else:
+            low = s
+        if "exp_avg" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(low)
+            state["exp_avg_sq"] = torch.zeros_like(low)
+            if p.dtype != torch.float32:
+                state["master"] = p.detach().float().clone()
+        state["step"] += 1
+        beta1, beta2, lr, t = group["beta1"], group["beta2"], group["lr"], state["step"]
+        state["exp_avg"].mul_(beta1).add_(low, alpha=1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(low, low, value=1 - beta2)
+        denom = state["exp_avg_sq"].sqrt().add_(group["eps"])
+        step_size = lr * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+        target = state.get("master", p)
+        proj.apply(target, state["exp_avg"] / denom, alpha=-step_size * group["svd_scale"])
+        if group["weight_decay"] > 0:  # after the update, as GaLoreAdamW does
+            target.add_(target, alpha=-lr * group["weight_decay"])
         if target is not p:
             p.copy_(target)
 
@@ -182,8 +242,8 @@ class LoGRA(torch.optim.Optimizer):
         self.sketch_step = extra["sketch_step"]
         sketched = self.param_groups[0]["params"]
         for i, p in enumerate(sketched):
-            module = self.module_of[id(p)]
-            module.sketch_state.step = self.sketch_step // self.defaults["refresh_every"]
-            module.sketch_state.sketch = extra["sketches"].get(i)
             for k, v in extra["fp32"].get(i, {}).items():
                 self.state[p][k] = v.to(p.device)
+        self._prepare_next_step()
+        for i, p in enumerate(sketched):
+            self.module_of[id(p)].sketch_state.sketch = extra["sketches"].get(i)

@@ -94,6 +94,11 @@ class SketchState:
     basis: Optional[torch.Tensor] = None  # A (r × n); cached for the current step only
     basis_step: int = -1
     fixed_basis: Optional[torch.Tensor] = None  # a given A that overrides the hashed one (tests, fixed-subspace variants)
+    # What backward accumulates into ``sketch`` (the svd variant switches it per step):
+    #   "right": S = G Aᵀ (m × r) from the saved X Aᵀ — the default, no dense gradient;
+    #   "left":  S = Uᵀ G (r × n) = (H U)ᵀ X with U = fixed_basis (m × r), from the saved X;
+    #   "dense": S = G (m × n) — only at the svd variant's refresh steps, to take its SVD.
+    mode: str = "right"
 
     def projection(self, cols: int, device) -> torch.Tensor:
         if self.fixed_basis is not None:
@@ -105,21 +110,28 @@ class SketchState:
 
 
 class _SketchedLinearFn(torch.autograd.Function):
-    """y = x Wᵀ + b; backward: dx = H W, S += Hᵀ (x Aᵀ), db = Σ H, and no gradient for W."""
+    """y = x Wᵀ + b; backward: dx = H W, db = Σ H, the sketch grows (see ``SketchState.mode``),
+    and W gets no gradient. In the default "right" mode only X Aᵀ (tokens × r) is saved."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, basis, state: SketchState):
-        ctx.state = state
-        x_proj = x.reshape(-1, x.shape[-1]).to(basis.dtype) @ basis.t()  # tokens × r
-        ctx.save_for_backward(x_proj, weight)
+        ctx.state, ctx.mode = state, state.mode
+        x2 = x.reshape(-1, x.shape[-1])
+        saved = x2.to(basis.dtype) @ basis.t() if state.mode == "right" else x2  # tokens × r, or tokens × n
+        ctx.save_for_backward(saved, weight, basis)
         ctx.has_bias = bias is not None
         return nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_proj, weight = ctx.saved_tensors
+        saved, weight, basis = ctx.saved_tensors
         h = grad_out.reshape(-1, grad_out.shape[-1])  # tokens × m
-        contribution = h.t().to(x_proj.dtype) @ x_proj  # m × r
+        if ctx.mode == "right":
+            contribution = h.t().to(saved.dtype) @ saved  # Hᵀ (X Aᵀ): m × r
+        elif ctx.mode == "left":
+            contribution = (h.to(basis.dtype) @ basis).t() @ saved.to(basis.dtype)  # (H U)ᵀ X: r × n
+        else:
+            contribution = h.t().float() @ saved.float()  # the dense G: m × n
         state = ctx.state
         if state.sketch is None:
             state.sketch = contribution.float()
@@ -142,7 +154,8 @@ class SketchedLinear(nn.Linear):
     def forward(self, x):
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return nn.functional.linear(x, self.weight, self.bias)
-        basis = self.sketch_state.projection(self.in_features, self.weight.device)
+        state = self.sketch_state
+        basis = state.projection(self.in_features, self.weight.device) if state.mode != "dense" else self.weight.new_empty(0, 0)
         return _SketchedLinearFn.apply(x, self.weight, self.bias, basis, self.sketch_state)
 
 
