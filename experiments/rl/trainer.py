@@ -128,7 +128,7 @@ class GRPOTrainer:
             self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
             print(f"[resume] continuing {self.run_dir} from step {self.step}")
         else:
-            print(f"[resume] no checkpoint in {self.run_dir}: starting from step 0")
+            print(f"[resume] no checkpoint yet in {self.run_dir}: starting at step 0")
         # records written after that checkpoint are redone, not duplicated
         self.metrics.truncate_after(self.step if found else -1)
         truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
