@@ -49,3 +49,13 @@ def test_embedded_smollm2_smoke(tmp_path):
     assert math.isfinite(step["loss/policy"]) and step["rollout/trained_seqs"] == 8
     assert abs(step["kl/sampler_trainer"]) < 1e-3  # the sampler's log-probs match the trainer's
     assert 0.0 <= step["eval/accuracy"] <= 1.0
+
+
+def test_local_path_loads_the_ordinary_way(tmp_path):
+    model, tok = load_model(ModelConfig(name="tiny-llama", init_seed=5))
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    again, tok2 = load_model(ModelConfig(name=str(tmp_path / "m")))
+    a, b = model.state_dict(), again.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert tok2.padding_side == "left" and len(tok2) == len(tok)
