@@ -60,6 +60,8 @@ class LoGRA(torch.optim.Optimizer):
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
         if rank < 1 or refresh_every < 1 or lr < 0:
             raise ValueError(f"need rank >= 1, refresh_every >= 1, lr >= 0 (got {rank}, {refresh_every}, {lr})")
+        if projection == "svd" and embeddings:
+            raise ValueError("projection='svd' sketches linear layers only: use embeddings=False")
         if moments not in MOMENTS:
             raise ValueError(f"moments must be one of {MOMENTS}, got {moments!r}")
         if first_moment and refresh_every == 1:

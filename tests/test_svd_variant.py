@@ -90,3 +90,8 @@ def test_svd_moment_policies_run_and_differ_from_keep(moments):
 def test_svd_rank_above_smaller_dimension_is_refused():
     with pytest.raises(ValueError, match="smaller dimension"):
         LoGRA(_model(), rank=48, projection="svd")
+
+
+def test_svd_with_sketched_embeddings_is_refused():
+    with pytest.raises(ValueError, match="embeddings=False"):
+        LoGRA(_model(), rank=4, projection="svd", embeddings=True)
