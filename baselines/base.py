@@ -6,7 +6,7 @@ config dataclass (``config_cls``), nested in the run config under its registry n
 
 Life cycle, per run: ``prepare(model)`` (wrap or instrument the model, choose what trains) ->
 ``build_optimizer(model)``; per update: the trainer accumulates gradients with ``backward`` over
-micro-batches, then calls ``step()`` once; ``state_dict()`` / ``load_state_dict()`` carry
+micro-batches (``backward(loss, last=...)``), then calls ``step()`` once; ``state_dict()`` / ``load_state_dict()`` carry
 everything needed to continue bit for bit. (The propose/apply split for predicted-KL step control
 refines ``step()`` in a later issue.)
 """
@@ -52,6 +52,10 @@ class Method:
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         raise NotImplementedError
 
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        """Backward of one micro-batch's loss; ``last``: the final micro-batch before ``step()``."""
+        loss.backward()
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -59,6 +63,13 @@ class Method:
         """Apply one update from the accumulated gradients; return metrics (e.g. ``step/grad_norm``)."""
         self.optimizer.step()
         return {}
+
+    def clipped_step(self, params: list[torch.Tensor], max_grad_norm: float) -> dict[str, float]:
+        """Clip the global gradient norm of ``params`` to ``max_grad_norm`` (0 = off), then step."""
+        max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+        self.optimizer.step()
+        return {"step/grad_norm": float(grad_norm)}
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}

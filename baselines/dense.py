@@ -35,7 +35,4 @@ class DenseAdamW(Method):
         return self.optimizer
 
     def step(self) -> dict[str, float]:
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        self.optimizer.step()
-        return {"step/grad_norm": float(grad_norm)}
+        return self.clipped_step(self.params, self.cfg.max_grad_norm)

@@ -49,7 +49,4 @@ class LoGRAMethod(Method):
         return self.optimizer
 
     def step(self) -> dict[str, float]:
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.dense_params, max_norm) if self.dense_params else torch.tensor(0.0)
-        self.optimizer.step()
-        return {"step/grad_norm": float(grad_norm)}
+        return self.clipped_step(self.dense_params, self.cfg.max_grad_norm)

@@ -48,6 +48,11 @@ METHOD_ARGS = {
     "dense": ["method=dense"],
     "logra": ["method=logra", "logra.rank=8", "logra.lr=1e-3"],
     "logra_embeddings": ["method=logra", "logra.rank=8", "logra.lr=1e-3", "logra.embeddings=true"],
+    # update_proj_gap=2: the subspace is recomputed during the run and across a resume
+    "galore": ["method=galore", "galore.rank=8", "galore.lr=1e-3", "galore.update_proj_gap=2"],
+    "galore_layerwise": ["method=galore_layerwise", "galore_layerwise.rank=8", "galore_layerwise.lr=1e-3",
+                         "galore_layerwise.update_proj_gap=2"],
+    "lora": ["method=lora", "lora.r=4", "lora.lr=1e-2"],
 }
 
 
@@ -56,14 +61,16 @@ def test_three_steps_learn_something(tmp_path, method):
     cfg = build_config([*TINY, f"out_dir={tmp_path / 'r'}", "train.steps=3", *METHOD_ARGS[method]])
     trainer = GRPOTrainer(cfg)
     before = _weights(trainer)
+    trainable = {n for n, p in trainer.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    assert trainable
     metrics = trainer.train()
     train_rows = [m for m in metrics if m["step"] > 0]
     assert [m["step"] for m in train_rows] == [1, 2, 3]
     assert all(math.isfinite(m["loss/policy"]) for m in train_rows)
     assert sum(m["rollout/trained_seqs"] for m in train_rows) > 0
     after = trainer.model.state_dict()
-    changed = [k for k in before if not torch.equal(before[k], after[k])]
-    assert len(changed) == len(before), f"unchanged: {set(before) - set(changed)}"
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == trainable, f"unchanged trainable: {trainable - changed}; changed frozen: {changed - trainable}"
     for key in ("reward/mean", "reward/accuracy", "loss/policy", "clip/fraction", "time/step_s",
                 "time/rollout_s", "time/train_s", "mem/peak_bytes"):
         assert key in train_rows[0]

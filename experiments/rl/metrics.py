@@ -29,6 +29,7 @@ METRICS: dict[str, str] = {
     "kl/ref": "k3 estimate of KL(policy || reference) per token (when train.kl_coef > 0)",
     "kl/sampler_trainer": "mean log pi_sampler - log pi_trainer over sampled tokens (engine/trainer mismatch)",
     "step/grad_norm": "global gradient norm before clipping",
+    "step/params_stepped": "parameters stepped inside backward hooks in the update (galore_layerwise)",
     "step/lr": "learning rate of the update",
     "rollout/len_mean": "mean completion length in tokens",
     "rollout/truncated_frac": "fraction of completions cut by max_new_tokens",

@@ -254,7 +254,7 @@ class GRPOTrainer:
                 logprobs, old_lp, advantages[idx].to(self.device), mask, tc.clip_low, tc.clip_high,
                 num_tokens, ref_lp, tc.kl_coef,
             )
-            loss.backward()
+            self.method.backward(loss, last=k == len(micro) - 1)
             loss_sum += float(loss.detach())
             clipped += s["clipped_tokens"]
             kl_sum += s.get("kl_sum", 0.0)

@@ -1,0 +1,204 @@
+"""GaLore baselines: the authors' ``galore_torch.GaLoreAdamW`` (Zhao et al., 2024) in our loop.
+
+``galore``: one optimizer; the attention and MLP projections sit in GaLore param groups (their
+gradients are projected onto the top-``rank`` singular subspace, refreshed every
+``update_proj_gap`` steps), every other trainable tensor in a plain AdamW group.
+
+``galore_layerwise``: the per-layer mode of the GaLore paper — one optimizer per parameter,
+stepped inside the parameter's post-accumulate-grad hook, and the gradient freed right away, so
+at most one layer's dense gradient exists at a time. Such a hook fires once per backward, so with
+gradient accumulation over several micro-batches it cannot step per micro-batch without changing
+the update. We accumulate honestly: the hook steps only during the backward of the *last*
+micro-batch (the trainer says which through :meth:`Method.backward`); the earlier micro-batches'
+gradients are held as usual. The saving therefore shrinks with accumulation — with one micro-batch
+per update it is the paper's; with k micro-batches the full gradients of the first k−1 exist. A
+global gradient-norm clip needs every gradient at once, so the layerwise mode does not clip.
+
+Ranks are capped at the smaller dimension of each matrix (with a message), so ``rank=256`` works
+on SmolLM2's 192-wide k/v projections. GaLore's projector objects are stored in checkpoints as
+plain tensors and numbers, so every checkpoint file still loads with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from baselines.base import Method, register_method
+from logra_core.sketch import DEFAULT_TARGETS, select_linears
+
+PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
+
+
+@dataclass
+class GaLoreConfig:
+    lr: float = 4e-5  # Adam learning rate of every parameter (GaLore scales its projected update by `scale`)
+    rank: int = 64  # GaLore rank r of each projected matrix (capped at min(m, n))
+    update_proj_gap: int = 200  # recompute the SVD subspace every N steps (GaLore's default)
+    scale: float = 0.25  # GaLore's alpha: multiplier of the projected-back update (authors' default)
+    proj_type: str = "std"  # std | reverse_std | left | right | full (galore_torch's projector types)
+    beta1: float = 0.9  # Adam first-moment decay
+    beta2: float = 0.999  # Adam second-moment decay
+    eps: float = 1e-6  # Adam epsilon (galore_torch's default)
+    weight_decay: float = 0.0  # decoupled weight decay
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # regexes of the nn.Linear names GaLore projects
+    max_grad_norm: float = 1.0  # clip the global gradient norm before the step; 0 = off (galore_layerwise: never)
+
+    def __post_init__(self):
+        if self.proj_type not in PROJ_TYPES:
+            raise ValueError(f"galore.proj_type must be one of {PROJ_TYPES}, got {self.proj_type!r}")
+        if self.rank < 1 or self.update_proj_gap < 1:
+            raise ValueError(f"galore.rank and galore.update_proj_gap must be >= 1, got {self.rank} and {self.update_proj_gap}")
+
+
+def galore_param_groups(model: nn.Module, c: GaLoreConfig) -> list[dict]:
+    """GaLore groups (one per effective rank) for the target projections, then one plain group."""
+    by_rank: dict[int, list[nn.Parameter]] = defaultdict(list)
+    capped = []
+    projected = set()
+    for name, module in select_linears(model, c.targets):
+        w = module.weight
+        if not w.requires_grad or id(w) in projected:
+            continue
+        r = min(c.rank, *w.shape)
+        if r < c.rank:
+            capped.append(f"{name} {tuple(w.shape)} -> {r}")
+        by_rank[r].append(w)
+        projected.add(id(w))
+    if not projected:
+        raise ValueError(f"galore: no nn.Linear matches galore.targets={c.targets}")
+    if capped:
+        warnings.warn(f"galore.rank={c.rank} exceeds the smaller dimension of {len(capped)} matrices; "
+                      f"capped there, e.g. {capped[0]}", stacklevel=2)
+    groups = [{"params": ps, "rank": r, "update_proj_gap": c.update_proj_gap, "scale": c.scale, "proj_type": c.proj_type}
+              for r, ps in sorted(by_rank.items())]
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in projected]
+    if rest:
+        groups.append({"params": rest})
+    return groups
+
+
+def _adamw(groups, c: GaLoreConfig):
+    from galore_torch import GaLoreAdamW
+
+    return GaLoreAdamW(groups, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay,
+                       no_deprecation_warning=True)
+
+
+# ---- checkpoints: GaLoreProjector objects <-> plain data ------------------------------------------
+# Numbers only: Optimizer.load_state_dict casts nested iterables element-wise, which mangles strings.
+_PROJECTOR_FIELDS = ("rank", "update_proj_gap", "scale")
+
+
+def _plain_state(sd: dict) -> dict:
+    """An optimizer state_dict with every GaLoreProjector replaced by a dict of tensors and numbers."""
+    state = {}
+    for k, s in sd["state"].items():
+        s = dict(s)
+        proj = s.pop("projector", None)
+        if proj is not None:
+            m = proj.ortho_matrix
+            s["galore_projector"] = {
+                **{f: getattr(proj, f) for f in _PROJECTOR_FIELDS},
+                "proj_type": PROJ_TYPES.index(proj.proj_type),
+                "ortho": [] if m is None else (list(m) if isinstance(m, (list, tuple)) else [m]),
+                "ortho_is_pair": isinstance(m, (list, tuple)),
+            }
+        state[k] = s
+    return {**sd, "state": state}
+
+
+def _restore_projectors(optimizer: torch.optim.Optimizer) -> None:
+    """After ``load_state_dict`` of a plain state: rebuild the GaLoreProjector objects."""
+    from galore_torch.galore_projector import GaLoreProjector
+
+    for s in optimizer.state.values():
+        plain = s.pop("galore_projector", None)
+        if plain is None:
+            continue
+        proj = GaLoreProjector(plain["rank"], update_proj_gap=plain["update_proj_gap"], scale=plain["scale"],
+                               proj_type=PROJ_TYPES[plain["proj_type"]])
+        ortho = plain["ortho"]
+        proj.ortho_matrix = (list(ortho) if plain["ortho_is_pair"] else ortho[0]) if ortho else None
+        s["projector"] = proj
+
+
+@register_method("galore")
+class GaLore(Method):
+    """GaLoreAdamW: projections train in their top-r gradient subspace, the rest by AdamW."""
+
+    config_cls = GaLoreConfig
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        self.params = self.trainable_parameters(model)
+        self.optimizer = _adamw(galore_param_groups(model, self.cfg), self.cfg)
+        return self.optimizer
+
+    def step(self) -> dict[str, float]:
+        return self.clipped_step(self.params, self.cfg.max_grad_norm)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": _plain_state(self.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        _restore_projectors(self.optimizer)
+
+
+@register_method("galore_layerwise")
+class GaLoreLayerwise(Method):
+    """One GaLoreAdamW per parameter, stepped in its post-accumulate-grad hook (see module doc)."""
+
+    config_cls = GaLoreConfig
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._last = True  # True while the backward of an update's last micro-batch runs
+        self._stepped = 0
+        names = {id(p): n for n, p in model.named_parameters()}
+        for group in galore_param_groups(model, self.cfg):
+            for p in group["params"]:
+                opt = _adamw([{**group, "params": [p]}], self.cfg)
+                self.optimizers[names[id(p)]] = opt
+                p.register_post_accumulate_grad_hook(self._hook(opt))
+        # The trainer's handle: zero_grad / state_dict go through this method, not a single optimizer.
+        self.optimizer = next(iter(self.optimizers.values()))
+        return self.optimizer
+
+    def _hook(self, opt: torch.optim.Optimizer):
+        def hook(p: torch.Tensor) -> None:
+            if self._last:
+                opt.step()
+                p.grad = None
+                self._stepped += 1
+        return hook
+
+    def backward(self, loss: torch.Tensor, last: bool = True) -> None:
+        self._last = last
+        try:
+            loss.backward()
+        finally:
+            self._last = True
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+
+    def step(self) -> dict[str, float]:
+        stepped, self._stepped = self._stepped, 0
+        return {"step/params_stepped": float(stepped)}
+
+    def state_dict(self) -> dict:
+        return {"optimizers": {n: _plain_state(o.state_dict()) for n, o in self.optimizers.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state["optimizers"]
+        if set(saved) != set(self.optimizers):
+            raise RuntimeError("galore_layerwise: the checkpoint's parameters differ from the model's")
+        for n, opt in self.optimizers.items():
+            opt.load_state_dict(saved[n])
+            _restore_projectors(opt)
