@@ -4,11 +4,11 @@ The GRPO trainer (``experiments/rl/trainer.py``) is written once against :class:
 is found by name in :data:`METHODS` and never by an ``if`` in the trainer. A method brings its own
 config dataclass (``config_cls``), nested in the run config under its registry name.
 
-Life cycle, per run: ``prepare(model)`` (wrap or instrument the model, choose what trains) ->
-``build_optimizer(model)``; per update: the trainer accumulates gradients with ``backward`` over
+Life cycle, per run: ``setup(model)`` = ``prepare(model)`` (wrap or instrument the model, choose
+what trains) -> ``build_optimizer(model)``; per update: the trainer accumulates gradients with ``backward`` over
 micro-batches (``backward(loss, last=...)``), then calls ``step()`` once; ``state_dict()`` / ``load_state_dict()`` carry
-everything needed to continue bit for bit. (The propose/apply split for predicted-KL step control
-refines ``step()`` in a later issue.)
+everything needed to continue bit for bit. With predicted-KL step control the trainer calls
+``propose()`` (the update, not applied) and ``apply(update, scale)`` instead of ``step()``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from logra_core.update import Update
 
 METHODS: dict[str, type["Method"]] = {}
 
@@ -37,10 +39,19 @@ class Method:
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type]
+    step_control_default: ClassVar[bool] = False  # predicted-KL step control on unless the config says
+    supports_step_control: ClassVar[bool] = True  # False where updates happen inside backward
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
         self.optimizer: torch.optim.Optimizer | None = None
+        self.model: nn.Module | None = None
+
+    def setup(self, model: nn.Module) -> nn.Module:
+        """``prepare`` then ``build_optimizer``; returns the model to train."""
+        self.model = self.prepare(model)
+        self.build_optimizer(self.model)
+        return self.model
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Return the model to train (default: as is, every parameter trainable)."""
@@ -64,12 +75,43 @@ class Method:
         self.optimizer.step()
         return {}
 
-    def clipped_step(self, params: list[torch.Tensor], max_grad_norm: float) -> dict[str, float]:
-        """Clip the global gradient norm of ``params`` to ``max_grad_norm`` (0 = off), then step."""
+    @staticmethod
+    def clip_gradients(params: list[torch.Tensor], max_grad_norm: float) -> dict[str, float]:
+        """Clip the global gradient norm of ``params`` to ``max_grad_norm`` (0 = off)."""
         max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
-        self.optimizer.step()
         return {"step/grad_norm": float(grad_norm)}
+
+    def clipped_step(self, params: list[torch.Tensor], max_grad_norm: float) -> dict[str, float]:
+        """Clip the global gradient norm of ``params`` to ``max_grad_norm`` (0 = off), then step."""
+        stats = self.clip_gradients(params, max_grad_norm)
+        self.optimizer.step()
+        return stats
+
+    @torch.no_grad()
+    def propose(self) -> tuple[Update, dict[str, float]]:
+        """The update of ``step()`` without applying it, and the step's metrics.
+
+        Default, for any torch optimizer: remember the trainable tensors, ``step()``, take
+        Δ = θ_new − θ_old, put θ_old back. Δ is as large as the trainable parameters (dense AdamW,
+        GaLore: model-sized; LoRA: adapter-sized); methods with low-rank updates override this.
+        """
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        old = [p.detach().clone() for _, p in params]
+        stats = self.step()
+        dense = {}
+        for (name, p), before in zip(params, old):
+            dense[name] = p.detach() - before
+            p.copy_(before)
+        old.clear()
+        return Update(dense=dense), stats
+
+    @torch.no_grad()
+    def apply(self, update: Update, scale: float = 1.0) -> None:
+        """θ ← θ + scale·Δ for an update from :meth:`propose`."""
+        params = dict(self.model.named_parameters())
+        for name, delta in update.dense.items():
+            params[name].add_(delta, alpha=scale)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}

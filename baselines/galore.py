@@ -154,6 +154,7 @@ class GaLoreLayerwise(Method):
     """One GaLoreAdamW per parameter, stepped in its post-accumulate-grad hook (see module doc)."""
 
     config_cls = GaLoreConfig
+    supports_step_control = False  # each layer's update is applied inside backward: nothing left to scale
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}

@@ -37,6 +37,7 @@ class LoGRAMethod(Method):
     """Attention and MLP projections learn through sketches (no dense gradient); the rest via AdamW."""
 
     config_cls = LoGRAConfig
+    step_control_default = True
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         c = self.cfg
@@ -50,3 +51,11 @@ class LoGRAMethod(Method):
 
     def step(self) -> dict[str, float]:
         return self.clipped_step(self.dense_params, self.cfg.max_grad_norm)
+
+    def propose(self):
+        """Low-rank factors (D, A) for sketched weights, AdamW's Δ for the rest; nothing applied."""
+        stats = self.clip_gradients(self.dense_params, self.cfg.max_grad_norm)
+        return self.optimizer.propose(), stats
+
+    def apply(self, update, scale: float = 1.0) -> None:
+        self.optimizer.apply(update, scale)

@@ -30,6 +30,7 @@ from torch import nn
 
 from logra_core.sketch import DEFAULT_TARGETS, SketchedEmbedding, SketchedLinear, install
 from logra_core.svd_projector import MOMENTS, SVDProjector
+from logra_core.update import Update
 
 PROJECTIONS = ("rademacher", "gaussian", "svd")
 
@@ -86,6 +87,10 @@ class LoGRA(torch.optim.Optimizer):
                         moments=moments, svd_scale=svd_scale)
         super().__init__(groups, defaults)
         self.module_of = {id(m.weight): m for m in self.modules_by_name.values()}
+        self.module_name = {}
+        for n, m in self.modules_by_name.items():
+            self.module_name.setdefault(id(m.weight), n)  # a tied head goes by its embedding's name
+        self.param_name = {id(p): n for n, p in model.named_parameters()}
         # LoGRA's own state lives outside ``self.state`` so that load_state_dict does not cast the
         # fp32 moments and masters of low-precision weights to the weights' dtype.
         self.sketch_step = 0
@@ -102,18 +107,58 @@ class LoGRA(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.apply(self.propose(), 1.0)
+        return loss
+
+    @torch.no_grad()
+    def propose(self) -> Update:
+        """Advance the moments and compute Δ without touching the weights (DESIGN §3.2).
+
+        Sketched weights: ΔW = D A as factors (``lowrank``, by module name); weight decay, when
+        on, adds −ηλW to ``dense`` (weight-sized, so only then). Other tensors: AdamW's Δ (``dense``).
+        """
+        update = Update(pending=[])
         for group in self.param_groups:
             if group["kind"] == "sketch":
-                update = self._svd_update if group["projection"] == "svd" else self._sketch_update
+                propose = self._svd_update if group["projection"] == "svd" else self._sketch_update
                 for p in group["params"]:
-                    update(p, group)
+                    found = propose(p, group)
+                    if found is None:
+                        continue
+                    left, right, alpha, decay, decay_first = found
+                    update.pending.append(("lowrank", p, found))
+                    update.lowrank[self.module_name[id(p)]] = (left * alpha, right)
+                    if decay:
+                        update.dense[self.param_name[id(p)]] = p.detach().float() * -decay
             else:
                 for p in group["params"]:
                     if p.grad is not None:
-                        self._adamw_update(p, group)
+                        direction, alpha, decay = self._adamw_update(p, group)
+                        update.pending.append(("dense", p, (direction, alpha, decay)))
+                        update.dense[self.param_name[id(p)]] = direction * alpha - p.detach() * decay
+        return update
+
+    @torch.no_grad()
+    def apply(self, update: Update, scale: float = 1.0) -> None:
+        """θ ← θ + scale·Δ for an update from :meth:`propose`; then the next step's projections."""
+        for kind, p, found in update.pending:
+            if kind == "dense":
+                direction, alpha, decay = found
+                if decay:
+                    p.mul_(1 - scale * decay)
+                p.add_(direction, alpha=alpha * scale)
+                continue
+            left, right, alpha, decay, decay_first = found
+            target = self.state[p].get("master", p)
+            if decay and decay_first:
+                target.mul_(1 - scale * decay)
+            target.addmm_(left.to(target.dtype), right.to(target.dtype), alpha=alpha * scale)
+            if decay and not decay_first:  # GaLoreAdamW decays after the update
+                target.add_(target, alpha=-scale * decay)
+            if target is not p:
+                p.copy_(target)
         self.sketch_step += 1
         self._prepare_next_step()
-        return loss
 
     def _prepare_next_step(self) -> None:
         """Clear the sketches and set what the next backward accumulates (A's step; the svd mode)."""
@@ -128,7 +173,8 @@ class LoGRA(torch.optim.Optimizer):
                 state.mode = "dense" if refresh else SVDProjector(m.weight.shape, state.rank).side
                 state.fixed_basis = None if refresh else st["svd_basis"]
 
-    def _sketch_update(self, p: torch.Tensor, group: dict) -> None:
+    def _sketch_update(self, p: torch.Tensor, group: dict):
+        """RowAdam: advances the row moments; returns (D, A, −η, ηλ, decay first) or None."""
         module = self.module_of[id(p)]
         s = module.sketch_state.sketch
         if s is None:  # no backward reached this layer
@@ -157,15 +203,11 @@ class LoGRA(torch.optim.Optimizer):
         v_hat = v / (1 - beta2**t)
         d = numerator / (v_hat.sqrt().unsqueeze(1) + eps)
         basis = module.sketch_state.projection(p.shape[1], p.device)
-        target = state.get("master", p)
-        if group["weight_decay"]:
-            target.mul_(1 - lr * group["weight_decay"])
-        target.addmm_(d.to(target.dtype), basis.to(target.dtype), alpha=-lr)
-        if target is not p:
-            p.copy_(target)
+        return d, basis, -lr, lr * group["weight_decay"], True
 
-    def _svd_update(self, p: torch.Tensor, group: dict) -> None:
-        """GaLoreAdamW's update on the svd subspace (:mod:`logra_core.svd_projector`)."""
+    def _svd_update(self, p: torch.Tensor, group: dict):
+        """GaLoreAdamW's update on the svd subspace (:mod:`logra_core.svd_projector`): advances the
+        moments; returns the project-back as factors (left, right, −step, ηλ, decay after) or None."""
         module = self.module_of[id(p)]
         s = module.sketch_state.sketch
         if s is None:
@@ -193,15 +235,13 @@ class LoGRA(torch.optim.Optimizer):
         state["exp_avg_sq"].mul_(beta2).addcmul_(low, low, value=1 - beta2)
         denom = state["exp_avg_sq"].sqrt().add_(group["eps"])
         step_size = lr * math.sqrt(1 - beta2**t) / (1 - beta1**t)
-        target = state.get("master", p)
-        proj.apply(target, state["exp_avg"] / denom, alpha=-step_size * group["svd_scale"])
-        if group["weight_decay"] > 0:  # after the update, as GaLoreAdamW does
-            target.add_(target, alpha=-lr * group["weight_decay"])
-        if target is not p:
-            p.copy_(target)
+        normalized = state["exp_avg"] / denom
+        left, right = (normalized, proj.basis) if proj.side == "right" else (proj.basis, normalized)
+        return left, right, -step_size * group["svd_scale"], lr * group["weight_decay"], False
 
-    def _adamw_update(self, p: torch.Tensor, group: dict) -> None:
-        """torch.optim.AdamW's formula, so a scheduler's changes to ``group['lr']`` apply."""
+    def _adamw_update(self, p: torch.Tensor, group: dict):
+        """torch.optim.AdamW's formula (a scheduler's changes to ``group['lr']`` apply): advances the
+        moments, returns (m̂/(√v̂+ε) without the 1/(1−β₁ᵗ), its coefficient −η/(1−β₁ᵗ), decay ηλ)."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
@@ -211,11 +251,10 @@ class LoGRA(torch.optim.Optimizer):
         t = float(state["step"])
         beta1, beta2 = group["betas"]
         lr, g = group["lr"], p.grad
-        p.mul_(1 - lr * group["weight_decay"])
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
-        p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
+        return state["exp_avg"] / denom, -lr / (1 - beta1**t), lr * group["weight_decay"]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

@@ -9,7 +9,7 @@ from experiments.config import ConfigError, build_config
 from experiments.rl.models import ModelConfig, load_model
 from experiments.rl.trainer import GRPOTrainer
 from tests.conftest import TINY
-from tests.test_trainer import Toy  # noqa: F401  (registers the toy task)
+from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
 
 def _train(tmp_path, name, *overrides):

@@ -9,29 +9,9 @@ from safetensors.torch import load_file
 from experiments.config import build_config
 from experiments.rl.checkpoint import list_checkpoints
 from experiments.rl.metrics import read_metrics
-from experiments.rl.tasks import Problem, Task, register_task
 from experiments.rl.trainer import GRPOTrainer
 from tests.conftest import TINY
-
-
-class _LengthParityReward:
-    """1 if the completion has an even number of characters: a random model earns it half the time."""
-
-    def __call__(self, completions, references):
-        return [float(len(c) % 2 == 0) for c in completions]
-
-    def close(self):
-        pass
-
-
-@register_task("toy")
-class Toy(Task):
-    def _load(self, split):
-        n = 40 if split == "train" else 8
-        return [Problem(f"Say something {i}.", "0", f"toy/{split}/{i}") for i in range(n)]
-
-    def reward_function(self):
-        return _LengthParityReward()
+from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
 
 def run(tmp_path, *overrides, name="run"):

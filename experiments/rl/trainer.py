@@ -77,9 +77,8 @@ class GRPOTrainer:
 
         self.method = METHODS[c.method](getattr(c, c.method))
         model, self.tokenizer = load_model(c.model)
-        self.model = self.method.prepare(model.to(self.device))
+        self.model = self.method.setup(model.to(self.device))
         self.model.train()
-        self.method.build_optimizer(self.model)
         self.ref_model = None
         if c.train.kl_coef > 0:
             self.ref_model, _ = load_model(c.model)
