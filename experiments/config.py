@@ -27,6 +27,7 @@ from experiments.rl.grpo import GRPOConfig
 from experiments.rl.models import ModelConfig
 from experiments.rl.rollout import RolloutConfig
 from experiments.rl.tasks import TaskConfig
+from logra_core.step_control import StepControlConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 SHORTHANDS = {"task": "task.name", "model": "model.name"}
@@ -69,6 +70,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    step_control: StepControlConfig = field(default_factory=StepControlConfig)
 
 
 class ConfigError(ValueError):
@@ -143,6 +145,9 @@ def build_config(overrides: Sequence[str] = (), base_yaml: Optional[str] = "defa
     cfg = _merge(cfg, cli, source="the command line")
     if cfg.method not in METHODS:
         raise ConfigError(f"unknown method {cfg.method!r}; registered: {sorted(METHODS)}")
+    if cfg.step_control.enabled and not METHODS[cfg.method].supports_step_control:
+        raise ConfigError(f"step_control.enabled=true: method {cfg.method!r} applies its update inside backward, "
+                          "so there is no update to scale before it lands")
     try:
         OmegaConf.to_object(cfg)  # runs the dataclasses' own checks (__post_init__)
     except (ValueError, OmegaConfBaseException) as e:
