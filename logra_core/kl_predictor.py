@@ -1,0 +1,242 @@
+"""Predicted KL of an update before it is applied (DESIGN §3.2).
+
+For probe tokens t with logits z_t = h_t Wᵀ (h: T × d, head W: V × d), p_t = softmax(z_t), and the
+directional derivative of the logits along the update Δ, δz_t = J_t Δ, the second-order expansion
+of KL(π_old ‖ π_new) for θ ← θ + s·Δ is
+
+    KL̂(s) = s² · ½ · mean_t ( Σ_v p_tv δz_tv² − (Σ_v p_tv δz_tv)² ) = s² · ½ Δᵀ F Δ,
+
+with F the Fisher matrix of the policy on the probe tokens; the per-token term is ½ Var_{p_t}(δz_t).
+
+δz comes from forward-mode AD along one scalar step ε (primal 0, tangent 1) through the decoder
+(:func:`hidden_and_tangent`), then through the head: with tangent ḣ of the last hidden state,
+
+    δz = ḣ Wᵀ + h ΔWᵀ = Σ_i g_i U_iᵀ,   (g, U) = ((ḣ, h Aᵀ), (W, D)) for ΔW = D A, ((ḣ, h), (W, ΔW))
+                                        for a dense ΔW, ((ḣ,), (W,)) for an unchanged head.
+
+The vocabulary sums (:func:`kl_terms`) never form a T × V tensor: a chunked torch reference (chunk
+× V at a time) and, on CUDA, a fused Triton kernel (:mod:`logra_core.kl_triton`).
+
+An update is ``lowrank[module] = (D, A)`` (ΔW = D A for an ``nn.Linear`` or ``nn.Embedding`` weight)
+plus ``dense[param] = Δ`` (:class:`logra_core.update.Update`). Weights are matched by identity: a
+lowrank and a dense entry on one weight add up (a sketched weight and its weight decay), and a head
+tied to the input embedding moves with the embedding's entry, under either module's name.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+Factors = Union[torch.Tensor, Sequence[torch.Tensor]]
+LowRank = dict[str, tuple[torch.Tensor, torch.Tensor]]
+_TRITON = []  # [kl_terms_triton or None], filled on first use
+
+
+def _pairs(g: Factors, U: Factors) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g, U = ((g,), (U,)) if isinstance(g, torch.Tensor) else (tuple(g), tuple(U))
+    if len(g) != len(U) or not g:
+        raise ValueError(f"g and U must be paired factor lists of equal length, got {len(g)} and {len(U)}")
+    return list(zip(g, U))
+
+
+def _acc_dtype(*ts: torch.Tensor) -> torch.dtype:
+    """fp32, or fp64 when an input is fp64 (so a float64 model predicts tiny steps exactly)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def kl_terms_reference(h: torch.Tensor, W: torch.Tensor, g: Factors, U: Factors, chunk: int = 256) -> torch.Tensor:
+    """Per-token ½ Var_p(δz) = ½(Σ_v p_v δz_v² − (Σ_v p_v δz_v)²) [T], ``chunk`` tokens at a time.
+
+    z = h Wᵀ, δz = Σ_i g_i U_iᵀ; h: T × d, W: V × d, g_i: T × k_i, U_i: V × k_i (g, U: one tensor
+    each, or equal-length sequences). Peak extra memory is a few chunk × V blocks.
+    Computed as ½ Σ_v p_v (δz_v − Σ_u p_u δz_u)², which cannot cancel to a negative value.
+    """
+    pairs = _pairs(g, U)
+    acc = _acc_dtype(h, W, *(t for pair in pairs for t in pair))
+    out = torch.empty(h.shape[0], dtype=acc, device=h.device)
+    for i in range(0, h.shape[0], chunk):
+        p = torch.softmax((h[i : i + chunk].to(W.dtype) @ W.t()).to(acc), dim=-1)
+        dz = sum((gi[i : i + chunk].to(Ui.dtype) @ Ui.t()).to(acc) for gi, Ui in pairs)
+        dz -= (p * dz).sum(-1, keepdim=True)
+        out[i : i + chunk] = 0.5 * (p * dz.square_()).sum(-1)
+    return out
+
+
+def _triton_kernel():
+    if not _TRITON:
+        try:
+            from logra_core.kl_triton import kl_terms_triton
+        except ImportError:  # triton is optional
+            kl_terms_triton = None
+        _TRITON.append(kl_terms_triton)
+    return _TRITON[0]
+
+
+def kl_terms(h: torch.Tensor, W: torch.Tensor, g: Factors, U: Factors, chunk: int = 256) -> torch.Tensor:
+    """Per-token ½ Var_p(δz) [T] (fp32; fp64 for fp64 inputs); see :func:`kl_terms_reference`.
+
+    On CUDA with triton importable and no fp64 input, runs the fused kernel (online softmax over
+    vocabulary tiles); elsewhere the chunked torch reference. The two agree to 1e-4 relative.
+    """
+    pairs = _pairs(g, U)
+    tensors = [h, W] + [t for pair in pairs for t in pair]
+    if h.is_cuda and _acc_dtype(*tensors) == torch.float32 and _triton_kernel() is not None:
+        return _triton_kernel()(h, W, [gi for gi, _ in pairs], [Ui for _, Ui in pairs])
+    return kl_terms_reference(h, W, g, U, chunk)
+
+
+def head_tangent_factors(h: torch.Tensor, h_dot: torch.Tensor, W: torch.Tensor, delta=None
+                         ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(g, U) with δz = ḣ Wᵀ + h ΔWᵀ = Σ_i g_i U_iᵀ, never forming ΔW or a concatenated head.
+
+    h, ḣ: T × d; W: V × d. ``delta``: None (head unchanged), a dense ΔW (V × d), a low-rank
+    ``(D, A)`` with ΔW = D A (D: V × r, A: r × d), or a list of those (their ΔW add up).
+    """
+    items = [] if delta is None else list(delta) if isinstance(delta, list) else [delta]
+    g, U = [h_dot], [W]
+    for item in items:
+        if isinstance(item, torch.Tensor):  # dense: h ΔWᵀ
+            g.append(h)
+            U.append(item)
+        else:  # low rank: (h Aᵀ) Dᵀ
+            D, A = item
+            g.append(h.to(A.dtype) @ A.t())
+            U.append(D)
+    return tuple(g), tuple(U)
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The transformer without its head (``model.model`` for HF causal LMs): returns last_hidden_state."""
+    get = getattr(model, "get_decoder", None)
+    return get() if callable(get) else model.base_model
+
+
+def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                  position_ids: Optional[torch.Tensor] = None, positions=None) -> torch.Tensor:
+    """Last hidden states h[positions] (T × d; all B·L positions when ``positions`` is None), no grad."""
+    with torch.no_grad():
+        out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+    return out.reshape(-1, out.shape[-1]) if positions is None else out[positions]
+
+
+def _weight_owners(model: nn.Module, weight: torch.Tensor) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight is weight]
+
+
+def _lowrank_hook(D: torch.Tensor, A: torch.Tensor, eps: torch.Tensor):
+    """Adds ε·(x Aᵀ) Dᵀ to a linear's output, or ε·D[ids] A to an embedding's, at the primal of x."""
+    def hook(module, args, out):
+        x = args[0]
+        if isinstance(module, nn.Embedding):
+            delta = D[x].to(A.dtype) @ A
+        else:
+            x = fwAD.unpack_dual(x).primal  # ε·(x + ε ẋ) = ε x + O(ε²): the tangent part of x drops
+            delta = (x.to(A.dtype) @ A.t()) @ D.to(A.dtype).t()
+        return out + eps * delta.to(out.dtype)
+    return hook
+
+
+def hidden_and_tangent(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                       position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
+                       dense: Optional[dict[str, torch.Tensor]] = None, positions=None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, ḣ) of the last hidden state at ``positions`` (T × d each), ḣ = d h(θ + εΔ)/dε at ε = 0.
+
+    Forward-mode AD along one scalar ε (primal 0, tangent 1), through the decoder only (the head is
+    :func:`head_tangent_factors`' job):
+
+    * ``lowrank[name] = (D, A)``: a forward hook on every ``nn.Linear`` / ``nn.Embedding`` holding
+      that weight adds ε·(x Aᵀ)Dᵀ (ε·D[ids] A): no tensor of the weight's size is formed.
+    * ``dense[name] = Δ``: the parameter enters ``torch.func.functional_call`` as the dual p + εΔ,
+      built by ``make_dual(p, Δ)`` — a view of p whose tangent is Δ itself, so nothing is copied
+      (Δ is cast to p's dtype first if they differ, then that cast copy is the cost).
+
+    Beyond Δ, the memory is one tangent per activation of a no-grad forward (about 2× its peak).
+    Attention runs with the MATH SDPA backend: the CPU flash kernel has no forward AD.
+    """
+    lowrank, dense = lowrank or {}, dense or {}
+    decoder = _decoder(model)
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = out_emb.weight if out_emb is not None else None
+    names_in_decoder = {id(p): n for n, p in decoder.named_parameters()}
+    seen = set()
+    with ExitStack() as stack, torch.no_grad(), fwAD.dual_level():
+        device = next(model.parameters()).device
+        eps = fwAD.make_dual(torch.zeros((), dtype=torch.float64, device=device),
+                             torch.ones((), dtype=torch.float64, device=device))
+        for name, (D, A) in lowrank.items():
+            weight = model.get_submodule(name).weight
+            if id(weight) in seen:
+                raise ValueError(f"lowrank names the weight of {name!r} twice (a tied head and its embedding?)")
+            seen.add(id(weight))
+            owners = _weight_owners(decoder, weight)
+            if not owners and weight is not head:
+                raise ValueError(f"lowrank[{name!r}]: its weight is used by no nn.Linear/nn.Embedding of the model")
+            for module in owners:
+                stack.callback(module.register_forward_hook(_lowrank_hook(D, A, eps)).remove)
+        params = {}
+        for name, delta in dense.items():
+            p = model.get_parameter(name)
+            if id(p) in names_in_decoder:
+                params[names_in_decoder[id(p)]] = fwAD.make_dual(p.detach(), delta.to(p.dtype))
+            elif p is not head:
+                raise ValueError(f"dense[{name!r}]: a parameter neither of the decoder nor of the LM head")
+        stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        out = torch.func.functional_call(
+            decoder, params, args=(),
+            kwargs=dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False)).last_hidden_state
+        primal, tangent = fwAD.unpack_dual(out)
+        tangent = torch.zeros_like(primal) if tangent is None else tangent
+    flat = (lambda x: x.reshape(-1, x.shape[-1])) if positions is None else (lambda x: x[positions])
+    return flat(primal), flat(tangent)
+
+
+def head_delta(model: nn.Module, lowrank: Optional[LowRank] = None, dense: Optional[dict] = None) -> list:
+    """The update's pieces of the LM head weight (found by identity, so a tied embedding's count)."""
+    W = model.get_output_embeddings().weight
+    found = [(D, A) for n, (D, A) in (lowrank or {}).items() if model.get_submodule(n).weight is W]
+    return found + [d for n, d in (dense or {}).items() if model.get_parameter(n) is W]
+
+
+def predict_kl(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+               position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
+               dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256) -> float:
+    """KL̂(1) = ½ mean_t Var_{p_t}(δz_t) on the tokens predicted at ``positions``, for θ ← θ + Δ.
+
+    The head is ``model.get_output_embeddings()`` with logits h Wᵀ (no bias, no logit scaling).
+    For a step s·Δ the prediction is s²·KL̂(1). The model runs as it is: eval mode (no dropout) for a
+    deterministic prediction.
+    """
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("predict_kl assumes an LM head without bias")
+    h, h_dot = hidden_and_tangent(model, input_ids, attention_mask, position_ids, lowrank, dense, positions)
+    g, U = head_tangent_factors(h, h_dot, head.weight.detach(), head_delta(model, lowrank, dense))
+    return kl_terms(h, head.weight.detach(), g, U, chunk).mean().item()
+
+
+def exact_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W_new: torch.Tensor,
+             chunk: int = 256) -> torch.Tensor:
+    """Per-token KL(p_old ‖ p_new) = Σ_v p_old,v (log p_old,v − log p_new,v) [T], ``chunk`` tokens at a time.
+
+    With δ = z_new − z_old and c = δ − Σ_v p_old,v δ_v this equals log Σ_v p_old,v e^{c_v}
+    = log1p(Σ_v p_old,v expm1(c_v)): no first-order terms left to cancel, so a tiny step's KL
+    (≈ ½ Var(δ)) keeps its relative precision, which the difference of log-softmaxes loses.
+    """
+    acc = _acc_dtype(h_old, W_old, h_new, W_new)
+    out = torch.empty(h_old.shape[0], dtype=acc, device=h_old.device)
+    for i in range(0, h_old.shape[0], chunk):
+        z_old = (h_old[i : i + chunk].to(W_old.dtype) @ W_old.t()).to(acc)
+        delta = (h_new[i : i + chunk].to(W_new.dtype) @ W_new.t()).to(acc) - z_old
+        p = torch.softmax(z_old, dim=-1)
+        delta -= (p * delta).sum(-1, keepdim=True)
+        out[i : i + chunk] = torch.log1p((p * torch.expm1(delta)).sum(-1))
+    return out
