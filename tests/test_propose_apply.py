@@ -93,3 +93,17 @@ def test_layerwise_galore_refuses_step_control(tmp_path):
 
     with pytest.raises(ConfigError, match="galore_layerwise"):
         _trainer(tmp_path, "l", ["method=galore_layerwise", "step_control.enabled=true"])
+
+
+@pytest.mark.parametrize("method", ["dense", "logra", "lora"])
+def test_controlled_steps_land_near_the_target(tmp_path, method):
+    """A tiny run with a small κ: every step is shrunk (s < 1) and its realized KL is within ±25 % of κ."""
+    target = 1e-5
+    t = _trainer(tmp_path, "c", [*METHODS[method], "train.steps=2", "step_control.enabled=true",
+                                 f"step_control.target_kl={target}", "step_control.measure_realized=true"])
+    rows = [m for m in t.train() if m["step"] > 0 and m["rollout/trained_seqs"] > 0]
+    assert rows
+    for m in rows:
+        assert m["kl/predicted"] > 0 and 0 < m["step/scale"] < 1
+        assert m["kl/predicted_scaled"] == pytest.approx(target, rel=1e-6)
+        assert m["kl/realized"] == pytest.approx(target, rel=0.25)

@@ -33,6 +33,8 @@ from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics, 
 from experiments.rl.models import load_model
 from experiments.rl.rollout import Rollouts, build_engine
 from experiments.rl.tasks import build_task, format_prompt
+from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl
+from logra_core.step_control import step_scale
 
 # Keys that may differ between a run and its resumption.
 RESUMABLE_CHANGES = {"resume", "train.steps", "log.progress", "log.tensorboard", "threads"}
@@ -79,6 +81,8 @@ class GRPOTrainer:
         model, self.tokenizer = load_model(c.model)
         self.model = self.method.setup(model.to(self.device))
         self.model.train()
+        enabled = c.step_control.enabled
+        self.step_control = self.method.step_control_default if enabled is None else enabled
         self.ref_model = None
         if c.train.kl_coef > 0:
             self.ref_model, _ = load_model(c.model)
@@ -225,10 +229,33 @@ class GRPOTrainer:
             pass_stats = self.accumulate_gradients(rollouts, advantages, micro, old)
             if epoch == 0:
                 stats["kl/sampler_trainer"] = pass_stats.pop("kl/sampler_trainer")
-            stats.update(self.method.step())
+            stats.update(self._controlled_step(rollouts, rows) if self.step_control else self.method.step())
         self.method.zero_grad()
         pass_stats.pop("kl/sampler_trainer", None)
         return {**stats, **pass_stats}
+
+    def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor) -> dict[str, float]:
+        """Propose the update, predict its KL on a probe of the batch, apply it scaled (DESIGN §3.2)."""
+        sc = self.cfg.step_control
+        update, stats = self.method.propose()
+        probe = rollouts.select(rows[: sc.probe_seqs])
+        ids, mask = probe.model_inputs()
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = torch.zeros_like(mask, dtype=torch.bool)  # the positions that predict response tokens
+        positions[:, -probe.completion_ids.shape[1] - 1 : -1] = probe.completion_mask.bool().to(self.device)
+        inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, positions=positions)
+        predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk)
+        scale = step_scale(predicted, sc.target_kl)
+        if sc.measure_realized:
+            head = self.model.get_output_embeddings().weight
+            h_old, w_old = hidden_states(self.model, **inputs), head.detach().clone()
+        self.method.apply(update, scale)
+        stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale})
+        if sc.measure_realized:
+            h_new = hidden_states(self.model, **inputs)
+            stats["kl/realized"] = float(exact_kl(h_old, w_old, h_new, head.detach(), sc.chunk).mean())
+        return stats
 
     def accumulate_gradients(self, rollouts: Rollouts, advantages: torch.Tensor, micro: list[torch.Tensor], old=None) -> dict[str, float]:
         """Backward of the batch's token-mean loss, one micro-batch (row indices) at a time.
