@@ -4,7 +4,7 @@
 
 Left: the training reward per step (thin) and its 5-step moving average (thick). Right: greedy
 pass@1 on the held-out problems at each evaluation. Reads only ``config.yaml`` and
-``metrics.jsonl``; a run is labelled by its method and learning rate.
+``metrics.jsonl``; a run is labelled by its directory name, method and learning rate.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def load(run_dir: Path) -> tuple[str, list[dict]]:
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
     method = cfg["method"]
     lr = cfg.get(method, {}).get("lr")
-    return f"{method} lr={lr:g}" if lr is not None else method, rows
+    what = f"{method} lr={lr:g}" if lr is not None else method
+    return f"{run_dir.name} ({what})" if run_dir.name != what else what, rows
 
 
 def moving_average(values: list[float], k: int = 5) -> list[float]:
