@@ -1,0 +1,114 @@
+"""Cost of predicted-KL step control beside one forward pass of the same probe batch.
+
+    python -m experiments.memory.kl_bench [method=logra] [seqs=8] [completion_len=128] [repeats=3]
+        [any run-config key=value ...]
+
+One process: the method accumulates gradients on a fixed rollout batch (as in ``step_bench``) and
+proposes its update; then, alternating ``repeats`` times, (a) a no-grad forward of the probe batch
+through the LM head (the trainer's log-prob path) and (b) ``predict_kl`` of the update on the same
+batch. Prints the median times and their ratio, and each one's extra resident memory: the peak RSS
+while it ran (sampled every millisecond by a thread) minus the RSS just before it, with
+``MALLOC_MMAP_THRESHOLD_`` fixed so that freed tensors leave RSS (the benchmark re-executes itself
+with it set). Also prints the size of the model's parameters, the scale a model-sized tangent
+buffer would have.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+
+import psutil
+import torch
+
+BENCH_KEYS = {"method": "logra", "seqs": "8", "completion_len": "128", "repeats": "3"}
+
+
+class PeakRSS:
+    """Peak resident set size above the level at entry, sampled by a background thread."""
+
+    def __enter__(self):
+        self.proc = psutil.Process()
+        self.base = self.peak = self.proc.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.extra = self.peak - self.base
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        os.execv(sys.executable, [sys.executable, "-m", "experiments.memory.kl_bench", *argv])
+    bench, rest = dict(BENCH_KEYS), []
+    for a in argv:
+        key, _, value = a.partition("=")
+        (bench.__setitem__(key, value) if key in bench else rest.append(a))
+
+    import tempfile
+
+    from experiments.config import build_config
+    from experiments.memory.step_bench import fixed_rollouts
+    from experiments.rl.trainer import GRPOTrainer
+    from logra_core.kl_predictor import predict_kl
+
+    seqs = int(bench["seqs"])
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = build_config([f"method={bench['method']}", f"out_dir={tmp}/run", "log.progress=false", "eval.every=0", *rest])
+        trainer = GRPOTrainer(cfg)
+        rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(bench["completion_len"]))
+        rows = torch.arange(seqs)
+        trainer.method.zero_grad()
+        trainer.accumulate_gradients(rollouts, torch.linspace(-1.0, 1.0, seqs), [rows[i : i + 4] for i in range(0, seqs, 4)])
+        update, _ = trainer.method.propose()
+        trainer.method.zero_grad()
+        ids, mask = rollouts.model_inputs()
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = torch.zeros_like(mask, dtype=torch.bool)
+        positions[:, -rollouts.completion_ids.shape[1] - 1 : -1] = rollouts.completion_mask.bool()
+        times = {"forward": [], "predict": []}
+        extra = {"forward": [], "predict": []}
+        kl = None
+        for _ in range(int(bench["repeats"])):
+            with PeakRSS() as m:
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    trainer._logprobs(trainer.model, rollouts)
+                times["forward"].append(time.perf_counter() - t0)
+            extra["forward"].append(m.extra)
+            with PeakRSS() as m:
+                t0 = time.perf_counter()
+                kl = predict_kl(trainer.model, ids, mask, position_ids, update.lowrank, update.dense, positions,
+                                cfg.step_control.chunk)
+                times["predict"].append(time.perf_counter() - t0)
+            extra["predict"].append(m.extra)
+        n_params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+        trainer.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mib = lambda b: b / 2**20  # noqa: E731
+    print(f"method {bench['method']}: {seqs} sequences x {bench['completion_len']} completion tokens; "
+          f"update holds {update.numel():,} numbers; predicted KL {kl:.3e}; overrides: {' '.join(rest) or '-'}")
+    print(f"forward of the probe batch : median {med['forward']:.2f} s, extra RSS {mib(max(extra['forward'])):.0f} MiB")
+    print(f"predict_kl                 : median {med['predict']:.2f} s, extra RSS {mib(max(extra['predict'])):.0f} MiB")
+    print(f"predictor / forward time   : {med['predict'] / med['forward']:.2f}")
+    print(f"model parameters           : {mib(n_params):.0f} MiB (a model-sized tangent buffer would be this large)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
