@@ -39,7 +39,9 @@ class Method:
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type]
-    step_control_default: ClassVar[bool] = False  # predicted-KL step control on unless the config says
+    # predicted-KL step control when step_control.enabled is unset; DESIGN §3.2 wants it on for logra,
+    # which waits until its target KL has been measured on real runs
+    step_control_default: ClassVar[bool] = False
     supports_step_control: ClassVar[bool] = True  # False where updates happen inside backward
 
     def __init__(self, cfg: Any):

@@ -37,9 +37,6 @@ class LoGRAMethod(Method):
     """Attention and MLP projections learn through sketches (no dense gradient); the rest via AdamW."""
 
     config_cls = LoGRAConfig
-    # Predicted-KL step control stays opt-in (step_control.enabled=true) until its target has been
-    # measured on real runs; DESIGN §3.2 wants it on by default for logra.
-    step_control_default = False
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         c = self.cfg

@@ -70,11 +70,9 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     out = {}
     deltas = {}
+    layers = set(lora_layers(model))
     for name, m in model.named_modules():
-        if name and m in lora_layers(model):
-            pass
-    for name, m in model.named_modules():
-        if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer"):
+        if m in layers:
             parts = [m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A]
             if parts and not m.merged:
                 deltas[name + ".weight"] = torch.stack(parts).sum(0)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from experiments.config import build_config
     from experiments.memory.step_bench import fixed_rollouts
-    from experiments.rl.trainer import GRPOTrainer
+    from experiments.rl.trainer import GRPOTrainer, probe_inputs
     from logra_core.kl_predictor import predict_kl
 
     seqs = int(bench["seqs"])
@@ -77,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.accumulate_gradients(rollouts, torch.linspace(-1.0, 1.0, seqs), [rows[i : i + 4] for i in range(0, seqs, 4)])
         update, _ = trainer.method.propose()
         trainer.method.zero_grad()
-        ids, mask = rollouts.model_inputs()
-        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        positions = torch.zeros_like(mask, dtype=torch.bool)
-        positions[:, -rollouts.completion_ids.shape[1] - 1 : -1] = rollouts.completion_mask.bool()
+        inputs = probe_inputs(rollouts, trainer.device)
         times = {"forward": [], "predict": []}
         extra = {"forward": [], "predict": []}
         kl = None
@@ -93,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             extra["forward"].append(m.extra)
             with PeakRSS() as m:
                 t0 = time.perf_counter()
-                kl = predict_kl(trainer.model, ids, mask, position_ids, update.lowrank, update.dense, positions,
-                                cfg.step_control.chunk)
+                kl = predict_kl(trainer.model, **inputs, lowrank=update.lowrank, dense=update.dense,
+                                chunk=cfg.step_control.chunk)
                 times["predict"].append(time.perf_counter() - t0)
             extra["predict"].append(m.extra)
         n_params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())

@@ -57,6 +57,16 @@ def _flat(cfg: dict, prefix: str = "") -> dict:
     return out
 
 
+def probe_inputs(rollouts: Rollouts, device) -> dict[str, torch.Tensor]:
+    """Model inputs of a probe batch for the KL predictor, and ``positions``: the [B, P + C] mask of
+    the positions that predict response tokens."""
+    ids, mask = (t.to(device) for t in rollouts.model_inputs())
+    positions = torch.zeros_like(mask, dtype=torch.bool)
+    positions[:, -rollouts.completion_ids.shape[1] - 1 : -1] = rollouts.completion_mask.bool().to(device)
+    return dict(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
+                positions=positions)
+
+
 class GRPOTrainer:
     def __init__(self, cfg: DictConfig):
         self.cfg_yaml = cfg
@@ -238,13 +248,7 @@ class GRPOTrainer:
         """Propose the update, predict its KL on a probe of the batch, apply it scaled (DESIGN §3.2)."""
         sc = self.cfg.step_control
         update, stats = self.method.propose()
-        probe = rollouts.select(rows[: sc.probe_seqs])
-        ids, mask = probe.model_inputs()
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        positions = torch.zeros_like(mask, dtype=torch.bool)  # the positions that predict response tokens
-        positions[:, -probe.completion_ids.shape[1] - 1 : -1] = probe.completion_mask.bool().to(self.device)
-        inputs = dict(input_ids=ids, attention_mask=mask, position_ids=position_ids, positions=positions)
+        inputs = probe_inputs(rollouts.select(rows[: sc.probe_seqs]), self.device)
         predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk)
         scale = step_scale(predicted, sc.target_kl)
         if sc.measure_realized:
