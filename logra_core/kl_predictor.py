@@ -130,17 +130,46 @@ def _weight_owners(model: nn.Module, weight: torch.Tensor) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding)) and m.weight is weight]
 
 
-def _lowrank_hook(D: torch.Tensor, A: torch.Tensor, eps: torch.Tensor):
-    """Adds ε·(x Aᵀ) Dᵀ to a linear's output, or ε·D[ids] A to an embedding's, at the primal of x."""
+def _lowrank_hook(D: torch.Tensor, A: torch.Tensor):
+    """Adds (x Aᵀ) Dᵀ (D[ids] A for an embedding) to the tangent of the module's output.
+
+    The output's tangent along ε is ẋ Wᵀ (from the input's tangent, if any) plus x ΔWᵀ; the second
+    term uses the primal of x only (ε·(x + ε ẋ) ΔWᵀ = ε x ΔWᵀ + O(ε²)).
+    """
     def hook(module, args, out):
         x = args[0]
         if isinstance(module, nn.Embedding):
             delta = D[x].to(A.dtype) @ A
         else:
-            x = fwAD.unpack_dual(x).primal  # ε·(x + ε ẋ) = ε x + O(ε²): the tangent part of x drops
+            x = fwAD.unpack_dual(x).primal
             delta = (x.to(A.dtype) @ A.t()) @ D.to(A.dtype).t()
-        return out + eps * delta.to(out.dtype)
+        primal, tangent = fwAD.unpack_dual(out)
+        delta = delta.to(primal.dtype)
+        return fwAD.make_dual(primal, delta if tangent is None else tangent + delta)
     return hook
+
+
+def _linear_jvp(module: nn.Linear, lowrank_factors: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A forward for ``module`` that returns y = x Wᵀ + b with tangent ẏ = ẋ Wᵀ + x Ẇᵀ + ḃ + Σ (x Aᵀ)Dᵀ.
+
+    Written out instead of left to forward AD, whose rule for a linear materializes zero tangents
+    for the weight and bias (a zero tensor and an add per layer); the low-rank terms of the update
+    join the same sum instead of going through a hook.
+    """
+    def forward(x):
+        xp, xt = fwAD.unpack_dual(x)
+        wp, wt = fwAD.unpack_dual(module.weight)
+        bp, bt = fwAD.unpack_dual(module.bias) if module.bias is not None else (None, None)
+        y = nn.functional.linear(xp, wp, bp)
+        terms = [] if xt is None else [nn.functional.linear(xt, wp)]
+        if wt is not None:
+            terms.append(nn.functional.linear(xp, wt))
+        if bt is not None:
+            terms.append(bt.expand_as(y))
+        for D, A in lowrank_factors:
+            terms.append(((xp.to(A.dtype) @ A.t()) @ D.to(A.dtype).t()).to(y.dtype))
+        return y if not terms else fwAD.make_dual(y, sum(terms[1:], terms[0]))
+    return forward
 
 
 def hidden_and_tangent(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -149,11 +178,12 @@ def hidden_and_tangent(model: nn.Module, input_ids: torch.Tensor, attention_mask
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, ḣ) of the last hidden state at ``positions`` (T × d each), ḣ = d h(θ + εΔ)/dε at ε = 0.
 
-    Forward-mode AD along one scalar ε (primal 0, tangent 1), through the decoder only (the head is
-    :func:`head_tangent_factors`' job):
+    Forward-mode AD along one scalar step ε (tangents are d/dε at ε = 0), through the decoder only
+    (the head is :func:`head_tangent_factors`' job):
 
     * ``lowrank[name] = (D, A)``: a forward hook on every ``nn.Linear`` / ``nn.Embedding`` holding
-      that weight adds ε·(x Aᵀ)Dᵀ (ε·D[ids] A): no tensor of the weight's size is formed.
+      that weight adds (x Aᵀ)Dᵀ (D[ids] A) to its output's tangent: no tensor of the weight's size
+      is formed.
     * ``dense[name] = Δ``: the parameter enters ``torch.func.functional_call`` as the dual p + εΔ,
       built by ``make_dual(p, Δ)`` — a view of p whose tangent is Δ itself, so nothing is copied
       (Δ is cast to p's dtype first if they differ, then that cast copy is the cost).
@@ -168,9 +198,7 @@ def hidden_and_tangent(model: nn.Module, input_ids: torch.Tensor, attention_mask
     names_in_decoder = {id(p): n for n, p in decoder.named_parameters()}
     seen = set()
     with ExitStack() as stack, torch.no_grad(), fwAD.dual_level():
-        device = next(model.parameters()).device
-        eps = fwAD.make_dual(torch.zeros((), dtype=torch.float64, device=device),
-                             torch.ones((), dtype=torch.float64, device=device))
+        factors: dict[int, list] = {}  # module id -> low-rank factors of its weight
         for name, (D, A) in lowrank.items():
             weight = model.get_submodule(name).weight
             if id(weight) in seen:
@@ -180,7 +208,15 @@ def hidden_and_tangent(model: nn.Module, input_ids: torch.Tensor, attention_mask
             if not owners and weight is not head:
                 raise ValueError(f"lowrank[{name!r}]: its weight is used by no nn.Linear/nn.Embedding of the model")
             for module in owners:
-                stack.callback(module.register_forward_hook(_lowrank_hook(D, A, eps)).remove)
+                factors.setdefault(id(module), []).append((D, A))
+        for module in decoder.modules():
+            pairs = factors.get(id(module), [])
+            if isinstance(module, nn.Linear) and "forward" not in vars(module):
+                module.forward = _linear_jvp(module, pairs)
+                stack.callback(vars(module).pop, "forward")
+            else:  # an embedding, or a linear whose forward someone else already replaced
+                for D, A in pairs:
+                    stack.callback(module.register_forward_hook(_lowrank_hook(D, A)).remove)
         params = {}
         for name, delta in dense.items():
             p = model.get_parameter(name)
