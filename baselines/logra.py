@@ -37,6 +37,7 @@ class LoGRAMethod(Method):
     """Attention and MLP projections learn through sketches (no dense gradient); the rest via AdamW."""
 
     config_cls = LoGRAConfig
+    step_control_default = True  # DESIGN §3.2: predicted-KL step control is part of the method
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         c = self.cfg
