@@ -39,8 +39,7 @@ class Method:
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type]
-    # predicted-KL step control when step_control.enabled is unset; DESIGN §3.2 wants it on for logra,
-    # which waits until its target KL has been measured on real runs
+    # predicted-KL step control when step_control.enabled is unset (on for logra: DESIGN §3.2)
     step_control_default: ClassVar[bool] = False
     supports_step_control: ClassVar[bool] = True  # False where updates happen inside backward
 

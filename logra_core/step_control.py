@@ -18,7 +18,7 @@ from typing import Optional
 
 @dataclass
 class StepControlConfig:
-    enabled: Optional[bool] = None  # predicted-KL step control (DESIGN §3.2); None = the method's default (off for now)
+    enabled: Optional[bool] = None  # predicted-KL step control (DESIGN §3.2); None = the method's default (on for logra only)
     target_kl: float = 1e-3  # κ: the mean per-token KL(π_old‖π_new) on the probe tokens a step may reach
     probe_seqs: int = 16  # sequences of the update's batch whose response tokens form the probe batch
     chunk: int = 256  # tokens per chunk of the LM-head / vocabulary sums (CPU reference path)
