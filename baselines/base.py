@@ -114,6 +114,12 @@ class Method:
         for name, delta in update.dense.items():
             params[name].add_(delta, alpha=scale)
 
+    def sync_entries(self) -> tuple[dict, list[str], dict[str, torch.Tensor]]:
+        """What the last applied step changed, for weight sync (:mod:`logra_core.sync`):
+        (low-rank ops by parameter name, names of the other changed tensors, fp32 masters by name).
+        Default: every trainable tensor changed (sent as its new value), no low-rank ops, no masters."""
+        return {}, [n for n, p in self.model.named_parameters() if p.requires_grad], {}
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
 

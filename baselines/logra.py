@@ -59,3 +59,8 @@ class LoGRAMethod(Method):
 
     def apply(self, update, scale: float = 1.0) -> None:
         self.optimizer.apply(update, scale)
+
+    def sync_entries(self):
+        """Sketched weights as low-rank ops (L, and the seed that rebuilds A); the rest by value."""
+        opt = self.optimizer
+        return dict(getattr(opt, "last_lowrank", {})), list(getattr(opt, "last_changed", [])), opt.masters()

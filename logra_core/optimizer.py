@@ -30,6 +30,7 @@ from torch import nn
 
 from logra_core.sketch import DEFAULT_TARGETS, SketchedEmbedding, SketchedLinear, install
 from logra_core.svd_projector import MOMENTS, SVDProjector
+from logra_core.sync import LowRankOp, apply_lowrank
 from logra_core.update import Update
 
 PROJECTIONS = ("rademacher", "gaussian", "svd")
@@ -140,25 +141,42 @@ class LoGRA(torch.optim.Optimizer):
 
     @torch.no_grad()
     def apply(self, update: Update, scale: float = 1.0) -> None:
-        """θ ← θ + scale·Δ for an update from :meth:`propose`; then the next step's projections."""
+        """θ ← θ + scale·Δ for an update from :meth:`propose`; then the next step's projections.
+
+        Records what it did for weight sync (:mod:`logra_core.sync`): ``last_lowrank`` (parameter name
+        -> the :class:`LowRankOp` applied) and ``last_changed`` (names of the other tensors it moved).
+        """
+        self.last_lowrank, self.last_changed = {}, []
         for kind, p, found in update.pending:
             if kind == "dense":
                 direction, alpha, decay = found
                 if decay:
                     p.mul_(1 - scale * decay)
                 p.add_(direction, alpha=alpha * scale)
+                self.last_changed.append(self.param_name[id(p)])
                 continue
             left, right, alpha, decay, decay_first = found
             target = self.state[p].get("master", p)
-            if decay and decay_first:
-                target.mul_(1 - scale * decay)
-            target.addmm_(left.to(target.dtype), right.to(target.dtype), alpha=alpha * scale)
-            if decay and not decay_first:  # GaLoreAdamW decays after the update
-                target.add_(target, alpha=-scale * decay)
+            spec = self._basis_spec(p, right)
+            op = LowRankOp((left * (alpha * scale)).to(target.dtype), spec, None if spec else right,
+                           scale * decay, decay_first)
+            apply_lowrank(target, op, right)
             if target is not p:
                 p.copy_(target)
+            self.last_lowrank[self.param_name[id(p)]] = op
         self.sketch_step += 1
         self._prepare_next_step()
+
+    def _basis_spec(self, p: torch.Tensor, right: torch.Tensor):
+        """(seed, layer, step, kind, rows, cols) that rebuild ``right`` anywhere, or None (svd, a fixed A)."""
+        st = self.module_of[id(p)].sketch_state
+        if self.defaults["projection"] == "svd" or st.fixed_basis is not None:
+            return None
+        return st.seed, st.layer, st.step, st.kind, st.rank, right.shape[1]
+
+    def masters(self) -> dict[str, torch.Tensor]:
+        """fp32 masters of low-precision sketched weights, by parameter name."""
+        return {self.param_name[id(p)]: st["master"] for p, st in self.state.items() if "master" in st}
 
     def _prepare_next_step(self) -> None:
         """Clear the sketches and set what the next backward accumulates (A's step; the svd mode)."""

@@ -22,7 +22,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 @dataclass
 class RolloutConfig:
-    engine: str = "shared"  # registry key of the rollout engine; shared = the trainer's own module
+    engine: str = "shared"  # shared (the trainer's own module) | hf (an in-process copy) | hf_process (a worker process); the copies are synced after each step
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass (Holtzman et al., 2020); 1 = off
     max_new_tokens: int = 64  # completion budget; longer completions are truncated (no EOS)
@@ -98,14 +98,19 @@ class _SamplerLogprobs(LogitsProcessor):
 class RolloutEngine:
     """Interface. ``generate`` samples ``n`` completions per prompt, group-major."""
 
-    def generate(self, prompts: list[str], n: int = 1, greedy: bool = False) -> Rollouts:
+    holds_copy = False  # True for engines with their own copy of the policy, kept equal by weight sync
+    last_error = ""  # why the last ``receive`` failed
+
+    def generate(self, prompts: list[str], n: int = 1, greedy: bool = False, max_new_tokens: int = 0) -> Rollouts:
         raise NotImplementedError
 
-    def receive(self, payload) -> None:
-        """Apply a weight-sync payload in place (engines with their own policy copy)."""
+    def receive(self, payload) -> bool:
+        """Apply a weight-sync payload (:mod:`logra_core.sync`) to the engine's copy; False = a full
+        payload is needed (a version gap or a checksum mismatch)."""
+        raise NotImplementedError(f"{type(self).__name__} holds no copy of the policy to sync")
 
-    def full_sync(self, state_dict) -> None:
-        """Replace every weight (engines with their own policy copy)."""
+    def close(self) -> None:
+        """Release what the engine holds (a worker process)."""
 
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
@@ -119,10 +124,12 @@ def register_engine(name: str):
     return wrap
 
 
-def build_engine(cfg: RolloutConfig, model, tokenizer) -> RolloutEngine:
+def build_engine(cfg: RolloutConfig, model, tokenizer, factory=None) -> RolloutEngine:
+    """The engine ``cfg.engine`` for the trainer's ``model``; ``factory`` builds the policy skeleton
+    where an engine lives in another process."""
     if cfg.engine not in ENGINES:
         raise ValueError(f"unknown rollout.engine {cfg.engine!r}; registered: {sorted(ENGINES)}")
-    return ENGINES[cfg.engine](cfg, model, tokenizer)
+    return ENGINES[cfg.engine](cfg, model, tokenizer, factory=factory)
 
 
 def _pad(rows: list[torch.Tensor], value, left: bool) -> torch.Tensor:
@@ -134,7 +141,7 @@ def _pad(rows: list[torch.Tensor], value, left: bool) -> torch.Tensor:
 class HFGenerateEngine(RolloutEngine):
     """Batched HF ``generate`` on a model (here the trainer's own module: nothing to sync)."""
 
-    def __init__(self, cfg: RolloutConfig, model, tokenizer):
+    def __init__(self, cfg: RolloutConfig, model, tokenizer, factory=None):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
 
     @torch.no_grad()

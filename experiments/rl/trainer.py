@@ -32,9 +32,11 @@ from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_
 from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics, truncate_jsonl
 from experiments.rl.models import load_model
 from experiments.rl.rollout import Rollouts, build_engine
+from experiments.rl.sync_engines import PolicyFactory
 from experiments.rl.tasks import build_task, format_prompt
 from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl
 from logra_core.step_control import step_scale
+from logra_core.sync import SyncSender, full_bytes
 
 # Keys that may differ between a run and its resumption.
 RESUMABLE_CHANGES = {"resume", "train.steps", "log.progress", "log.tensorboard", "threads"}
@@ -97,7 +99,9 @@ class GRPOTrainer:
         if c.train.kl_coef > 0:
             self.ref_model, _ = load_model(c.model)
             self.ref_model.to(self.device).eval().requires_grad_(False)
-        self.engine = build_engine(c.rollout, self.model, self.tokenizer)
+        self.engine = build_engine(c.rollout, self.model, self.tokenizer,
+                                   factory=PolicyFactory(c.model, c.method, getattr(c, c.method), c.threads))
+        self.sender = SyncSender(self.model) if self.engine.holds_copy else None
         self._record_run()  # only now: a run that failed to set up leaves no run directory behind
         self.metrics = MetricsWriter(self.run_dir, tensorboard=c.log.tensorboard)
         self.step = 0
@@ -170,6 +174,7 @@ class GRPOTrainer:
     def train(self) -> list[dict]:
         c = self.cfg
         try:
+            self.sync(full=True)  # the engine's copy starts equal to the (possibly resumed) policy
             if self.step == 0 and c.eval.every > 0 and c.eval.at_start:
                 self.metrics.write({"step": 0, **self.evaluate()})
             bar = tqdm(total=c.train.steps, initial=self.step, desc=f"GRPO {c.method}", disable=not c.log.progress, dynamic_ncols=True)
@@ -192,6 +197,7 @@ class GRPOTrainer:
     def close(self) -> None:
         self.metrics.close()
         self.reward_fn.close()
+        self.engine.close()
 
     def train_step(self) -> dict[str, float]:
         c, tc = self.cfg, self.cfg.train
@@ -240,9 +246,31 @@ class GRPOTrainer:
             if epoch == 0:
                 stats["kl/sampler_trainer"] = pass_stats.pop("kl/sampler_trainer")
             stats.update(self._controlled_step(rollouts, rows) if self.step_control else self.method.step())
+            for k, v in self.sync().items():  # the engine follows every applied update
+                stats[k] = stats.get(k, 0.0) + v if k in ("sync/bytes", "time/sync_s", "sync/resyncs") else v
         self.method.zero_grad()
         pass_stats.pop("kl/sampler_trainer", None)
         return {**stats, **pass_stats}
+
+    def sync(self, full: bool = False) -> dict[str, float]:
+        """Bring the engine's copy of the policy up to date (DESIGN §3.3): the last step's payload, or
+        every tensor; a payload the engine rejects (checksum, version gap) is followed by a full one."""
+        if self.sender is None:
+            return {}
+        t0 = time.perf_counter()
+        ops, changed, masters = self.method.sync_entries()
+        payload = self.sender.full(masters) if full else self.sender.delta(ops, changed, masters)
+        sent, resyncs = payload.nbytes(), 0
+        if not self.engine.receive(payload):
+            if full:
+                raise RuntimeError(f"rollout engine rejected a full sync: {self.engine.last_error}")
+            print(f"[sync] step {self.step}: {self.engine.last_error}; sending every tensor")
+            payload = self.sender.full(masters)
+            sent, resyncs = sent + payload.nbytes(), 1
+            if not self.engine.receive(payload):
+                raise RuntimeError(f"rollout engine rejected a full resync: {self.engine.last_error}")
+        return {"sync/bytes": float(sent), "sync/full_bytes": float(full_bytes(self.model)),
+                "sync/resyncs": float(resyncs), "time/sync_s": time.perf_counter() - t0}
 
     def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor) -> dict[str, float]:
         """Propose the update, predict its KL on a probe of the batch, apply it scaled (DESIGN §3.2)."""

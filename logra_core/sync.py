@@ -1,0 +1,275 @@
+"""Low-rank policy synchronization from trainer to rollout engine, bit for bit (DESIGN §3.3).
+
+After each applied step the trainer emits a :class:`SyncPayload` and a receiver replays it on its
+own copy of the policy:
+
+* ``lowrank[name] = LowRankOp``: a sketched weight moved by W ← W + L A, where L (m × r) is the
+  factor exactly as the trainer multiplied it (−η·s·D, already scaled and cast) and A (r × n) is
+  rebuilt by the receiver from ``spec`` = (seed, layer, step, kind, rows, cols) through
+  :func:`logra_core.sketch.projection` — or sent as ``basis`` where no seed rebuilds it (the svd
+  variant). Decoupled weight decay rides along as a factor. Both sides call :func:`apply_lowrank`,
+  the same operations in the same dtype, so they stay equal bit for bit;
+* ``values[name]``: the new value of any other changed tensor (norms, an unsketched embedding,
+  LoRA adapters, every weight of dense AdamW). A new value costs the bytes of a delta and is equal by
+  construction, where re-adding a float delta would round differently.
+
+fp32 masters (DESIGN §3.3): a bf16 weight updated through an fp32 master must equal bf16(master) on
+both sides, so a receiver keeps the same fp32 master for every sketched weight of a non-fp32 dtype
+(memory: 4 bytes per such number), created from its own copy at the first update exactly as the
+trainer creates its own; a full resync carries the trainer's masters.
+
+Integrity: ``version`` counts applied steps, and ``checksum`` is a BLAKE2b digest of the trainer's
+tensors (and masters) that the payload touched, taken after the step. A receiver applies a payload
+only on top of ``version − 1`` and checks the digest of its own tensors afterwards; a gap or a
+mismatch makes :meth:`SyncReceiver.receive` return False, and the sender answers with a full
+payload (every tensor and master). Nothing drifts silently.
+
+Transport is the receiver's business: in process (call :meth:`SyncReceiver.receive`), to another
+process over a gloo :class:`Channel` (:func:`send_payload` / :func:`recv_payload`: a pickled
+header, then each tensor), or into an inference engine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import pickle
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from logra_core.sketch import projection
+
+
+@dataclass
+class LowRankOp:
+    """W ← (1 − decay)·W + L A  (``decay_first``), or W ← W + L A, then W ← W − decay·W."""
+
+    left: torch.Tensor  # L (m × r): the factor as multiplied, scale and learning rate folded in
+    spec: Optional[tuple] = None  # (seed, layer, step, kind, rows, cols) rebuilding A, or None
+    basis: Optional[torch.Tensor] = None  # A itself (r × n) when no spec rebuilds it
+    decay: float = 0.0
+    decay_first: bool = True
+
+    def right(self, device) -> torch.Tensor:
+        if self.basis is not None:
+            return self.basis
+        seed, layer, step, kind, rows, cols = self.spec
+        return projection(rows, cols, seed, layer, step, kind, device=device)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.left) + (_nbytes(self.basis) if self.basis is not None else 0)
+
+
+def apply_lowrank(target: torch.Tensor, op: LowRankOp, right: Optional[torch.Tensor] = None) -> None:
+    """The one update both trainer and receiver run on a sketched weight (or its fp32 master)."""
+    right = op.right(target.device) if right is None else right
+    if op.decay and op.decay_first:
+        target.mul_(1 - op.decay)
+    target.addmm_(op.left.to(target.dtype), right.to(target.dtype))
+    if op.decay and not op.decay_first:
+        target.add_(target, alpha=-op.decay)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """BLAKE2b of names and raw bytes, in the given order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in named:
+        t = t.detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+    return h.hexdigest()
+
+
+@dataclass
+class SyncPayload:
+    version: int
+    full: bool = False  # every tensor (a resync or the first sync); else a step's changes
+    lowrank: dict[str, LowRankOp] = field(default_factory=dict)
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 masters (full payloads only)
+    checksum: str = ""
+
+    def nbytes(self) -> int:
+        """Bytes of tensor data the payload carries."""
+        return (sum(op.nbytes() for op in self.lowrank.values()) + sum(_nbytes(t) for t in self.values.values())
+                + sum(_nbytes(t) for t in self.masters.values()))
+
+    def touched(self) -> list[str]:
+        return sorted(set(self.lowrank) | set(self.values))
+
+
+def full_bytes(model: nn.Module) -> int:
+    """Bytes a full-weight sync sends: every parameter once (a tied weight once)."""
+    return sum(_nbytes(p) for _, p in model.named_parameters())
+
+
+class _Tensors:
+    """Parameters by name (a tied weight under its first name) and the fp32 masters kept beside them."""
+
+    def __init__(self, model: nn.Module):
+        self.params = {n: p for n, p in model.named_parameters()}
+        self.masters: dict[str, torch.Tensor] = {}
+
+    def checksum(self, names: Iterable[str]) -> str:
+        items = []
+        for n in names:
+            items.append((n, self.params[n]))
+            if n in self.masters:
+                items.append((n + "@master", self.masters[n]))
+        return digest(items)
+
+
+class SyncSender:
+    """Builds payloads from what the trainer's step did. ``masters``: the trainer's fp32 masters by name."""
+
+    def __init__(self, model: nn.Module):
+        self.tensors = _Tensors(model)
+        self.version = 0
+
+    def delta(self, lowrank: dict[str, LowRankOp], changed: Iterable[str], masters: dict[str, torch.Tensor]) -> SyncPayload:
+        """The payload of one applied step: its low-rank ops and the new values of ``changed`` tensors."""
+        self.version += 1
+        self.tensors.masters = dict(masters)
+        values = {n: self.tensors.params[n].detach().clone() for n in changed if n not in lowrank}
+        payload = SyncPayload(self.version, lowrank=dict(lowrank), values=values)
+        payload.checksum = self.tensors.checksum(payload.touched())
+        return payload
+
+    def full(self, masters: Optional[dict[str, torch.Tensor]] = None) -> SyncPayload:
+        """Every parameter and master at the current version."""
+        if masters is not None:
+            self.tensors.masters = dict(masters)
+        payload = SyncPayload(self.version, full=True,
+                              values={n: p.detach().clone() for n, p in self.tensors.params.items()},
+                              masters={n: m.detach().clone() for n, m in self.tensors.masters.items()})
+        payload.checksum = self.tensors.checksum(payload.touched())
+        return payload
+
+
+class SyncReceiver:
+    """Applies payloads to a policy copy in place. ``receive`` returns False when a full resync is needed."""
+
+    def __init__(self, model: nn.Module):
+        self.tensors = _Tensors(model)
+        self.version: Optional[int] = None  # unknown until the first full payload
+        self.resyncs = 0
+        self.last_error = ""
+
+    @torch.no_grad()
+    def receive(self, payload: SyncPayload) -> bool:
+        if payload.full:
+            self._load_full(payload)
+            return self._verify(payload)
+        if self.version is None or payload.version != self.version + 1:
+            self.last_error = f"version gap: have {self.version}, payload {payload.version}"
+            return False
+        params, masters = self.tensors.params, self.tensors.masters
+        for name, op in payload.lowrank.items():
+            p = params[name]
+            if p.dtype != torch.float32 and name not in masters:
+                masters[name] = p.detach().float().clone()  # as the trainer's optimizer creates it
+            target = masters.get(name, p)
+            apply_lowrank(target, op)
+            if target is not p:
+                p.copy_(target)
+        for name, value in payload.values.items():
+            params[name].copy_(value)
+        self.version = payload.version
+        return self._verify(payload)
+
+    def _load_full(self, payload: SyncPayload) -> None:
+        for name, value in payload.values.items():
+            self.tensors.params[name].copy_(value)
+        self.tensors.masters = {n: m.detach().clone() for n, m in payload.masters.items()}
+        self.version = payload.version
+
+    def _verify(self, payload: SyncPayload) -> bool:
+        if self.tensors.checksum(payload.touched()) == payload.checksum:
+            return True
+        self.last_error = f"checksum mismatch at version {payload.version}"
+        return False
+
+
+# ---- torch.distributed transport ----------------------------------------------------------------
+class Channel:
+    """A point-to-point link between two processes: its own gloo process group over a TCP store, so
+    it needs no default process group and coexists with one (a trainer under torchrun).
+
+    Rank 0 hosts the store at ``port``. Objects travel pickled (a length, then the bytes); tensors
+    by ``send``/``recv`` into buffers of known shape. (On GPU an NCCL group would carry CUDA
+    tensors the same way; this class is the CPU path.)
+    """
+
+    def __init__(self, port: int, rank: int, host: str = "127.0.0.1", timeout_s: float = 600.0):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, 2, rank == 0, timeout=timeout)
+        self.pg = dist.ProcessGroupGloo(self.store, rank, 2, timeout)
+        self.peer = 1 - rank
+
+    def send_tensor(self, t: torch.Tensor) -> None:
+        self.pg.send([t.detach().contiguous().cpu()], self.peer, 0).wait()
+
+    def recv_tensor(self, shape, dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        self.pg.recv([t], self.peer, 0).wait()
+        return t
+
+    def send_obj(self, obj) -> None:
+        buf = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.send_tensor(torch.tensor([len(buf)], dtype=torch.int64))
+        self.send_tensor(torch.frombuffer(bytearray(buf), dtype=torch.uint8))
+
+    def recv_obj(self):
+        n = int(self.recv_tensor((1,), torch.int64))
+        return pickle.loads(self.recv_tensor((n,), torch.uint8).numpy().tobytes())
+
+
+def send_payload(payload: SyncPayload, channel: Channel) -> None:
+    """A pickled header (names, shapes, dtypes, specs), then every tensor of the payload."""
+    header = SyncPayload(
+        payload.version, payload.full,
+        lowrank={n: LowRankOp(_meta(op.left), op.spec, None if op.basis is None else _meta(op.basis), op.decay,
+                              op.decay_first) for n, op in payload.lowrank.items()},
+        values={n: _meta(t) for n, t in payload.values.items()},
+        masters={n: _meta(t) for n, t in payload.masters.items()}, checksum=payload.checksum)
+    channel.send_obj(header)
+    for t in _tensors_of(payload):
+        channel.send_tensor(t)
+
+
+def recv_payload(channel: Channel) -> SyncPayload:
+    header: SyncPayload = channel.recv_obj()
+    take = lambda meta: channel.recv_tensor(*meta)  # noqa: E731  (in _tensors_of's order)
+    for name in sorted(header.lowrank):
+        op = header.lowrank[name]
+        op.left = take(op.left)
+        if op.basis is not None:
+            op.basis = take(op.basis)
+    header.values = {n: take(header.values[n]) for n in sorted(header.values)}
+    header.masters = {n: take(header.masters[n]) for n in sorted(header.masters)}
+    return header
+
+
+def _tensors_of(payload: SyncPayload) -> list[torch.Tensor]:
+    out = []
+    for name in sorted(payload.lowrank):
+        op = payload.lowrank[name]
+        out.append(op.left)
+        if op.basis is not None:
+            out.append(op.basis)
+    out += [payload.values[n] for n in sorted(payload.values)]
+    out += [payload.masters[n] for n in sorted(payload.masters)]
+    return out
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    """What the header says of a tensor: shape and dtype."""
+    return tuple(t.shape), t.dtype

@@ -1,0 +1,185 @@
+"""Weight sync from trainer to rollout engine (DESIGN §3.3): bit-exact copies, corruption and gaps healed."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from experiments.config import build_config
+from experiments.rl.trainer import GRPOTrainer
+from logra_core.optimizer import LoGRA
+from logra_core.sync import LowRankOp, SyncReceiver, SyncSender, apply_lowrank, full_bytes
+from tests.conftest import TINY
+from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
+
+VARIANTS = {
+    "default": dict(rank=4, lr=1e-2, weight_decay=0.1),
+    "embeddings": dict(rank=4, lr=1e-2, embeddings=True),
+    "svd": dict(rank=4, lr=1e-2, projection="svd", refresh_every=3, weight_decay=0.1),
+}
+
+
+def tiny(dtype):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+def logra_step(model, opt, seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (2, 10), generator=gen)
+    loss = (model(ids).logits.float() * torch.randn(2, 10, 96, generator=gen)).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_equal_models(a, b):
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+
+def synced_pair(dtype, variant):
+    model = tiny(dtype)
+    engine_model = copy.deepcopy(model).requires_grad_(False)
+    opt = LoGRA(model, **VARIANTS[variant])
+    sender, receiver = SyncSender(model), SyncReceiver(engine_model)
+    assert receiver.receive(sender.full(opt.masters()))
+    return model, engine_model, opt, sender, receiver
+
+
+def deliver(opt, sender):
+    return sender.delta(opt.last_lowrank, opt.last_changed, opt.masters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_twenty_logra_steps_stay_bit_equal(dtype, variant):
+    model, engine_model, opt, sender, receiver = synced_pair(dtype, variant)
+    for step in range(20):
+        logra_step(model, opt, step)
+        payload = deliver(opt, sender)
+        assert payload.lowrank, "sketched weights travel as low-rank ops"
+        assert all((op.spec is None) == (variant == "svd") for op in payload.lowrank.values())
+        assert receiver.receive(payload), receiver.last_error
+        assert payload.nbytes() < full_bytes(model)
+    assert_equal_models(model, engine_model)
+    if dtype == torch.bfloat16:  # the receiver's fp32 masters equal the optimizer's
+        masters = opt.masters()
+        assert masters and masters.keys() == receiver.tensors.masters.keys()
+        assert all(torch.equal(masters[n], receiver.tensors.masters[n]) for n in masters)
+
+
+def test_a_different_rounding_of_the_same_update_drifts():
+    """Why the receiver must replay the trainer's exact op: adding the formed L·A instead of addmm_
+    rounds differently, and the checksum notices."""
+    model, engine_model, opt, sender, receiver = synced_pair(torch.float32, "default")
+    logra_step(model, opt, 0)
+    payload = deliver(opt, sender)
+    params = dict(engine_model.named_parameters())
+    with torch.no_grad():
+        for name, op in payload.lowrank.items():
+            p = params[name]
+            p.mul_(1 - op.decay)
+            p.add_(op.left.double() @ op.right(p.device).double())  # same math, fp64 product
+        for name, value in payload.values.items():
+            params[name].copy_(value)
+    assert any(not torch.equal(params[n], p) for n, p in model.named_parameters())
+    assert receiver.tensors.checksum(payload.touched()) != payload.checksum
+
+
+def test_flipped_byte_is_caught_and_healed():
+    model, engine_model, opt, sender, receiver = synced_pair(torch.float32, "default")
+    for step in range(6):
+        logra_step(model, opt, step)
+        payload = deliver(opt, sender)
+        if step == 2:
+            name = sorted(payload.lowrank)[1]
+            raw = payload.lowrank[name].left.view(torch.uint8).view(-1)
+            raw[5] ^= 0x01  # one bit of one byte of one factor
+            assert not receiver.receive(payload)
+            assert "checksum" in receiver.last_error
+            assert receiver.receive(sender.full(opt.masters()))
+        else:
+            assert receiver.receive(payload), receiver.last_error
+    assert_equal_models(model, engine_model)
+
+
+def test_dropped_payload_is_caught_and_healed():
+    model, engine_model, opt, sender, receiver = synced_pair(torch.float32, "embeddings")
+    for step in range(6):
+        logra_step(model, opt, step)
+        payload = deliver(opt, sender)
+        if step == 2:
+            continue  # lost on the way
+        if step == 3:
+            assert not receiver.receive(payload)
+            assert "version gap" in receiver.last_error
+            assert receiver.receive(sender.full(opt.masters()))
+        else:
+            assert receiver.receive(payload), receiver.last_error
+    assert_equal_models(model, engine_model)
+
+
+def test_apply_lowrank_decay_order():
+    W = torch.ones(2, 3)
+    op = LowRankOp(torch.ones(2, 1), basis=torch.ones(1, 3), decay=0.5, decay_first=True)
+    apply_lowrank(W, op)
+    assert torch.equal(W, torch.full((2, 3), 1.5))  # (1 − ½)·1 + 1
+    W = torch.ones(2, 3)
+    apply_lowrank(W, LowRankOp(torch.ones(2, 1), basis=torch.ones(1, 3), decay=0.5, decay_first=False))
+    assert torch.equal(W, torch.full((2, 3), 1.0))  # (1 + 1) − ½·2
+
+
+# ---- in the GRPO loop: the engine the rollouts come from ----------------------------------------------
+METHOD_ARGS = {
+    "logra": ["method=logra", "logra.rank=4", "logra.lr=1e-2", "logra.weight_decay=0.1"],
+    "dense": ["method=dense", "dense.lr=1e-3"],
+    "lora": ["method=lora", "lora.r=4", "lora.lr=1e-2"],
+}
+
+
+def run_steps(tmp_path, method, engine, steps, extra=()):
+    cfg = build_config([*TINY, *METHOD_ARGS[method], f"rollout.engine={engine}", "eval.every=0",
+                        f"out_dir={tmp_path / 'run'}", *extra])
+    t = GRPOTrainer(cfg)
+    try:
+        t.sync(full=True)
+        records = []
+        for _ in range(steps):
+            records.append(t.train_step())
+            t.step += 1
+        state = t.engine.state_dict()
+        trainer_state = {n: p.detach() for n, p in t.model.named_parameters()}
+    finally:
+        t.close()
+    return records, state, trainer_state
+
+
+@pytest.mark.parametrize("engine,dtype", [("hf", "float32"), ("hf", "bfloat16"), ("hf_process", "float32"),
+                                          ("hf_process", "bfloat16")])
+def test_engine_equals_trainer_after_twenty_logra_steps(tmp_path, engine, dtype):
+    records, state, trainer_state = run_steps(tmp_path, "logra", engine, 20, [f"model.dtype={dtype}"])
+    assert state.keys() == trainer_state.keys()
+    for name, value in trainer_state.items():
+        assert torch.equal(state[name], value), name
+    synced = [r for r in records if "sync/bytes" in r and r["rollout/trained_seqs"] > 0]
+    assert len(synced) >= 10
+    assert all(r["sync/resyncs"] == 0 and 0 < r["sync/bytes"] < r["sync/full_bytes"] for r in synced)
+    if dtype == "float32":  # the sampler is the synced policy: its log-probs are the trainer's
+        assert all(abs(r["kl/sampler_trainer"]) < 1e-4 for r in synced)
+
+
+@pytest.mark.parametrize("method,engine", [("dense", "hf"), ("lora", "hf"), ("lora", "hf_process")])
+def test_dense_and_lora_payloads_stay_equal(tmp_path, method, engine):
+    records, state, trainer_state = run_steps(tmp_path, method, engine, 4)
+    for name, value in trainer_state.items():
+        assert torch.equal(state[name], value), name
+    synced = [r for r in records if "sync/bytes" in r]
+    assert synced and all(r["sync/resyncs"] == 0 for r in synced)
+    if method == "lora":  # adapters only
+        assert all(r["sync/bytes"] < 0.5 * r["sync/full_bytes"] for r in synced)
