@@ -18,7 +18,7 @@ both sides, so a receiver keeps the same fp32 master for every sketched weight o
 (memory: 4 bytes per such number), created from its own copy at the first update exactly as the
 trainer creates its own; a full resync carries the trainer's masters.
 
-Integrity: ``version`` counts applied steps, and ``checksum`` is a BLAKE2b digest of the trainer's
+Integrity: ``version`` counts applied steps, and ``checksum`` is a digest (:func:`digest`) of the trainer's
 tensors (and masters) that the payload touched, taken after the step. A receiver applies a payload
 only on top of ``version − 1`` and checks the digest of its own tensors afterwards; a gap or a
 mismatch makes :meth:`SyncReceiver.receive` return False, and the sender answers with a full
@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import pickle
+import zlib
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -79,12 +80,14 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """BLAKE2b of names and raw bytes, in the given order."""
+    """A digest of names and raw bytes, in the given order: CRC-32 of each tensor's bytes (any one-bit
+    or one-byte change alters it; about 2 GB/s here, under half of BLAKE2b's cost), hashed together with
+    the names by BLAKE2b. Guards against corruption and drift, not against an adversary."""
     h = hashlib.blake2b(digest_size=16)
     for name, t in named:
         t = t.detach().contiguous().cpu()
         h.update(name.encode())
-        h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+        h.update(zlib.crc32(memoryview(t.view(torch.uint8).reshape(-1).numpy())).to_bytes(4, "little"))
     return h.hexdigest()
 
 

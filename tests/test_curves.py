@@ -25,3 +25,21 @@ def test_curves_png(tmp_path):
     image = mpimg.imread(out)
     assert image.shape[0] > 100 and image.shape[1] > 100
     assert out.with_suffix(".pdf").read_bytes().startswith(b"%PDF")
+
+
+def test_traces_png_and_table(tmp_path):
+    from analysis.traces import main as traces_main
+
+    run = tmp_path / "ctl"
+    run.mkdir()
+    (run / "config.yaml").write_text("method: logra\nlogra:\n  lr: 2.0e-5\n")
+    rows = [{"step": 0, "eval/accuracy": 0.1, "eval/num_problems": 10.0}]
+    rows += [{"step": s, "kl/predicted": 4e-3 * s, "kl/predicted_scaled": 1e-3, "kl/realized": 1e-3 * (1 + 0.1 * s),
+              "step/scale": (1 / (4 * s)) ** 0.5} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "traces.png"
+    traces_main([str(run), "--out", str(out)])
+    assert mpimg.imread(out).shape[1] > 100
+    md = out.with_suffix(".md").read_text()
+    assert "| ctl (logra lr=2e-05) | kl/predicted | 3 | 0.008 | 0.004 | 0.012 |" in md
+    assert "| realized / predicted·s² | 3 | 1.2 | 1.1 | 1.3 |" in md
