@@ -183,3 +183,37 @@ def test_dense_and_lora_payloads_stay_equal(tmp_path, method, engine):
     assert synced and all(r["sync/resyncs"] == 0 for r in synced)
     if method == "lora":  # adapters only
         assert all(r["sync/bytes"] < 0.5 * r["sync/full_bytes"] for r in synced)
+
+
+@pytest.mark.parametrize("engine", ["hf", "hf_process"])
+def test_trainer_heals_a_corrupt_and_a_lost_payload(tmp_path, engine):
+    """In the loop: payload 3 arrives with a flipped bit, payload 5 never arrives (its ack faked); the
+    engine refuses the corrupt one and the one after the gap, the trainer resyncs, and it ends equal."""
+    cfg = build_config([*TINY, *METHOD_ARGS["logra"], f"rollout.engine={engine}", "eval.every=0",
+                        f"out_dir={tmp_path / 'run'}"])
+    t = GRPOTrainer(cfg)
+    deliver_ = t.engine.receive
+    calls = []
+
+    def faulty(payload):
+        calls.append(payload.version)
+        if not payload.full and len(calls) == 4:
+            payload = copy.deepcopy(payload)
+            next(iter(payload.lowrank.values())).left.view(torch.uint8).view(-1)[0] ^= 0x10
+        if not payload.full and len(calls) == 6:
+            return True  # lost in transit
+        return deliver_(payload)
+
+    t.engine.receive = faulty
+    try:
+        t.sync(full=True)
+        records = []
+        while len([r for r in records if "sync/bytes" in r]) < 8:
+            records.append(t.train_step())
+            t.step += 1
+        state, trainer_state = t.engine.state_dict(), {n: p.detach() for n, p in t.model.named_parameters()}
+    finally:
+        t.close()
+    assert sum(r.get("sync/resyncs", 0) for r in records) == 2
+    for name, value in trainer_state.items():
+        assert torch.equal(state[name], value), name
