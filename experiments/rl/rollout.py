@@ -22,7 +22,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 @dataclass
 class RolloutConfig:
-    engine: str = "shared"  # shared (the trainer's own module) | hf (an in-process copy) | hf_process (a worker process); the copies are synced after each step
+    engine: str = "shared"  # shared (the trainer's own module) | hf (an in-process copy) | hf_process (a worker process) | vllm (in-process vLLM); copies are synced after each step
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass (Holtzman et al., 2020); 1 = off
     max_new_tokens: int = 64  # completion budget; longer completions are truncated (no EOS)
