@@ -62,10 +62,23 @@ def kl_terms_reference(h: torch.Tensor, W: torch.Tensor, g: Factors, U: Factors,
     out = torch.empty(h.shape[0], dtype=acc, device=h.device)
     for i in range(0, h.shape[0], chunk):
         p = torch.softmax((h[i : i + chunk].to(W.dtype) @ W.t()).to(acc), dim=-1)
-        dz = sum((gi[i : i + chunk].to(Ui.dtype) @ Ui.t()).to(acc) for gi, Ui in pairs)
-        dz -= (p * dz).sum(-1, keepdim=True)
-        out[i : i + chunk] = 0.5 * (p * dz.square_()).sum(-1)
+        dz = None
+        for gi, Ui in pairs:  # accumulated in place: one chunk × V block besides p
+            gi = gi[i : i + chunk].to(Ui.dtype)
+            if dz is None:
+                dz = (gi @ Ui.t()).to(acc)
+            elif Ui.dtype == acc:
+                dz.addmm_(gi, Ui.t())
+            else:
+                dz += (gi @ Ui.t()).to(acc)
+        dz -= _rowdot(p, dz).unsqueeze(-1)
+        out[i : i + chunk] = 0.5 * _rowdot(p, dz.square_())
     return out
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_v a_tv b_tv per row, as a batched matrix product: no temporary of a's size."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
 def _triton_kernel():
