@@ -52,6 +52,11 @@ def plot(run_dirs: list[Path], out: Path) -> None:
     for ax in (ax_r, ax_e):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    save(fig, out)
+
+
+def save(fig, out: Path) -> None:
+    """``out`` (PNG) and a PDF beside it; closes the figure."""
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from analysis.curves import load  # noqa: E402
+from analysis.curves import load, save  # noqa: E402
 
 DEFAULT_KEYS = ("kl/predicted", "kl/realized", "step/scale")
 
@@ -55,11 +55,7 @@ def plot(run_dirs: list[Path], out: Path, keys: tuple[str, ...] = DEFAULT_KEYS) 
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    fig.savefig(out.with_suffix(".pdf"))
-    plt.close(fig)
+    save(fig, out)
     out.with_suffix(".md").write_text(table(run_dirs, keys))
 
 
