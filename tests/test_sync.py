@@ -206,3 +206,10 @@ def test_trainer_heals_a_corrupt_and_a_lost_payload(tmp_path, engine):
     assert sum(r.get("sync/resyncs", 0) for r in records) == 2
     for name, value in trainer_state.items():
         assert torch.equal(state[name], value), name
+
+
+def test_a_run_with_a_synced_engine_logs_its_sync_metrics(tmp_path):
+    cfg = build_config([*TINY, *METHOD_ARGS["logra"], "rollout.engine=hf", "train.steps=3",
+                        f"out_dir={tmp_path / 'run'}"])
+    rows = [r for r in GRPOTrainer(cfg).train() if r.get("rollout/trained_seqs")]
+    assert rows and all(0 < r["sync/bytes"] < r["sync/full_bytes"] and r["time/sync_s"] > 0 for r in rows)

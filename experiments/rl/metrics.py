@@ -44,6 +44,10 @@ METRICS: dict[str, str] = {
     "time/reward_s": "reward verification time, seconds",
     "time/train_s": "log-probs + backward + optimizer time, seconds",
     "time/eval_s": "evaluation time, seconds",
+    "time/sync_s": "weight sync to the rollout engine's copy (build, send, apply, verify), seconds",
+    "sync/bytes": "tensor bytes sent to the rollout engine in the step (a full resync included)",
+    "sync/full_bytes": "bytes a full-weight sync sends (every parameter once)",
+    "sync/resyncs": "full resyncs in the step after a payload was refused (checksum mismatch, version gap)",
     "mem/peak_bytes": "peak memory: CUDA max allocated in the step, else the process's peak RSS so far",
     "mem/peak_rss_bytes": "the process's peak resident set size so far (ru_maxrss)",
 }
