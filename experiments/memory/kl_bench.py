@@ -3,23 +3,27 @@
     python -m experiments.memory.kl_bench [method=logra] [seqs=8] [completion_len=128] [repeats=3]
         [any run-config key=value ...]
 
-One process: the method accumulates gradients on a fixed rollout batch (as in ``step_bench``) and
-proposes its update; then, alternating ``repeats`` times, (a) a no-grad forward of the probe batch
-through the LM head (the trainer's log-prob path) and (b) ``predict_kl`` of the update on the same
-batch. Prints the median times and their ratio, and each one's extra resident memory: the peak RSS
-while it ran (sampled every millisecond by a thread) minus the RSS just before it, with
-``MALLOC_MMAP_THRESHOLD_`` fixed so that freed tensors leave RSS (the benchmark re-executes itself
-with it set). Also prints the size of the model's parameters, the scale a model-sized tangent
-buffer would have.
+The method accumulates gradients on a fixed rollout batch (as in ``step_bench``) and proposes its
+update; then, alternating ``repeats`` times, (a) a no-grad forward of the probe batch through the
+LM head (the trainer's log-prob path) and (b) ``predict_kl`` of the update on the same batch.
+Times are taken in this process with the default allocator; memory in a child process with
+``MALLOC_MMAP_THRESHOLD_`` fixed so that freed tensors leave RSS (an allocator setting that also
+slows allocation-heavy code, so no time is taken there): each one's extra resident memory is the
+peak RSS while it ran (sampled every millisecond by a thread) minus the RSS just before it.
+Prints the median times and their ratio, the peaks, and the size of the model's parameters, the
+scale a model-sized tangent buffer would have.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
+from contextlib import nullcontext
 
 import psutil
 import torch
@@ -50,16 +54,8 @@ class PeakRSS:
         self.extra = self.peak - self.base
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        os.execv(sys.executable, [sys.executable, "-m", "experiments.memory.kl_bench", *argv])
-    bench, rest = dict(BENCH_KEYS), []
-    for a in argv:
-        key, _, value = a.partition("=")
-        (bench.__setitem__(key, value) if key in bench else rest.append(a))
-
+def measure(bench: dict, rest: list[str], what: str) -> dict:
+    """``what`` = "time": median seconds of the two, alternating; "memory": their peak extra RSS."""
     import tempfile
 
     from experiments.config import build_config
@@ -78,32 +74,58 @@ def main(argv: list[str] | None = None) -> int:
         update, _ = trainer.method.propose()
         trainer.method.zero_grad()
         inputs = probe_inputs(rollouts, trainer.device)
-        times = {"forward": [], "predict": []}
-        extra = {"forward": [], "predict": []}
-        kl = None
+
+        def forward():
+            with torch.no_grad():
+                trainer._logprobs(trainer.model, rollouts)
+
+        def predict():
+            return predict_kl(trainer.model, **inputs, lowrank=update.lowrank, dense=update.dense,
+                              chunk=cfg.step_control.chunk)
+
+        out = {"forward": [], "predict": [], "update_numel": update.numel(),
+               "param_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters())}
         for _ in range(int(bench["repeats"])):
-            with PeakRSS() as m:
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    trainer._logprobs(trainer.model, rollouts)
-                times["forward"].append(time.perf_counter() - t0)
-            extra["forward"].append(m.extra)
-            with PeakRSS() as m:
-                t0 = time.perf_counter()
-                kl = predict_kl(trainer.model, **inputs, lowrank=update.lowrank, dense=update.dense,
-                                chunk=cfg.step_control.chunk)
-                times["predict"].append(time.perf_counter() - t0)
-            extra["predict"].append(m.extra)
-        n_params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+            for name, fn in (("forward", forward), ("predict", predict)):
+                with PeakRSS() if what == "memory" else nullcontext() as m:
+                    t0 = time.perf_counter()
+                    value = fn()
+                    seconds = time.perf_counter() - t0
+                out[name].append(m.extra if what == "memory" else seconds)
+                if name == "predict":
+                    out["kl"] = value
         trainer.close()
-    med = {k: statistics.median(v) for k, v in times.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    child = bool(argv) and argv[0] == "--memory"
+    if child:
+        argv = argv[1:]
+    bench, rest = dict(BENCH_KEYS), []
+    for a in argv:
+        key, _, value = a.partition("=")
+        (bench.__setitem__(key, value) if key in bench else rest.append(a))
+    if child:
+        print("RESULT " + json.dumps(measure(bench, rest, "memory")))
+        return 0
+    times = measure(bench, rest, "time")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run([sys.executable, "-m", "experiments.memory.kl_bench", "--memory", *argv], env=env,
+                          capture_output=True, text=True)
+    found = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"the memory measurement failed:\n{proc.stderr[-3000:]}")
+    memory = json.loads(found[-1][len("RESULT "):])
+    med = {k: statistics.median(times[k]) for k in ("forward", "predict")}
     mib = lambda b: b / 2**20  # noqa: E731
-    print(f"method {bench['method']}: {seqs} sequences x {bench['completion_len']} completion tokens; "
-          f"update holds {update.numel():,} numbers; predicted KL {kl:.3e}; overrides: {' '.join(rest) or '-'}")
-    print(f"forward of the probe batch : median {med['forward']:.2f} s, extra RSS {mib(max(extra['forward'])):.0f} MiB")
-    print(f"predict_kl                 : median {med['predict']:.2f} s, extra RSS {mib(max(extra['predict'])):.0f} MiB")
+    print(f"method {bench['method']}: {bench['seqs']} sequences x {bench['completion_len']} completion tokens; "
+          f"update holds {times['update_numel']:,} numbers; predicted KL {times['kl']:.3e}; overrides: {' '.join(rest) or '-'}")
+    print(f"forward of the probe batch : median {med['forward']:.2f} s, extra RSS {mib(max(memory['forward'])):.0f} MiB")
+    print(f"predict_kl                 : median {med['predict']:.2f} s, extra RSS {mib(max(memory['predict'])):.0f} MiB")
     print(f"predictor / forward time   : {med['predict'] / med['forward']:.2f}")
-    print(f"model parameters           : {mib(n_params):.0f} MiB (a model-sized tangent buffer would be this large)")
+    print(f"model parameters           : {mib(times['param_bytes']):.0f} MiB (a model-sized tangent buffer would be this large)")
     return 0
 
 
