@@ -19,7 +19,7 @@ from typing import Optional
 @dataclass
 class StepControlConfig:
     enabled: Optional[bool] = None  # predicted-KL step control (DESIGN §3.2); None = the method's default (on for logra only)
-    target_kl: float = 1e-3  # κ: the mean per-token KL(π_old‖π_new) on the probe tokens a step may reach
+    target_kl: float = 1e-2  # κ: the mean per-token KL(π_old‖π_new) on the probe tokens a step may reach (results/step_control)
     probe_seqs: int = 16  # sequences of the update's batch whose response tokens form the probe batch
     chunk: int = 64  # tokens per chunk of the LM-head / vocabulary sums (CPU path; 64: extra memory below a forward's)
     measure_realized: bool = False  # also compute the exact KL of the applied step on the probe (one more forward)
