@@ -1,0 +1,192 @@
+"""Every run directory under a results root, as one tidy DataFrame.
+
+    from analysis.load import load_runs, load_memory_csv
+    runs = load_runs("results/quick")          # one row per (run, step)
+    mem = load_memory_csv("results/quick")     # <root>/memory/memory.csv, or None
+
+A run directory is any folder below the root holding ``config.yaml`` and ``metrics.jsonl`` (the
+trainer's ``out_dir``), at any depth; ``checkpoints/`` folders are not searched. Each row of
+:func:`load_runs` is one line of a run's ``metrics.jsonl`` (so one step), with
+
+- ``run``: the run directory relative to the root, ``run_dir``: its absolute path;
+- the resolved config flattened to dotted columns (``method``, ``seed``, ``task.name``,
+  ``logra.lr``, ``step_control.target_kl``, ...; lists as JSON strings);
+- ``git_sha`` from ``meta.json`` and ``done`` (a ``done.json`` marker from the launcher is there);
+- the metric columns with their namespaced keys (``reward/mean``, ``eval/accuracy``, ``mem/...``;
+  documented in ``experiments/rl/metrics.py``), NaN where a step did not log a key;
+- ``task_label`` and ``variant``: what the tables group by (below).
+
+Grouping. Runs that differ only in seed are repeats of one experiment. :func:`label_runs` names
+the experiment: ``task_label`` is ``task.name`` plus the ``task.*`` keys that differ between runs
+of that task (``arith digits=3``) and, when the root holds several models, the model
+(``gsm8k (qwen2.5-7b)``), so that every comparison stays within one task and model. ``variant`` is
+the method plus the keys of its own config section and of the shared sections (model settings,
+rollout, train, eval, step_control) that differ between its runs on some task (``logra lr=4e-05``,
+``logra target_kl=0.01``), named by the same keys on every task. Seeds, paths, devices, logging
+and checkpointing never make a variant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+CONFIG, METRICS, META, DONE = "config.yaml", "metrics.jsonl", "meta.json", "done.json"
+MEMORY_CSV = Path("memory") / "memory.csv"
+MEMORY_COLUMNS = ["method", "model", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes",
+                  "activations_bytes", "peak_rss_bytes", "planner_bytes", "git_sha"]
+SKIP_DIRS = {"checkpoints", "tb", "tables", "figures", "__pycache__", ".ipynb_checkpoints"}
+
+# Config keys that never define an experiment: repeats, bookkeeping, where things live.
+IGNORED_SECTIONS = ("log.", "checkpoint.")
+IGNORED_KEYS = {"seed", "out_dir", "resume", "device", "threads", "task.data_dir", "model.cache_dir",
+                "task.reward_workers", "task.reward_timeout_s", "eval.batch_size", "rollout.batch_size"}
+# Shared sections whose differences name a method variant (a method's own section is added per method).
+VARIANT_SECTIONS = ("model.", "rollout.", "train.", "eval.", "step_control.")
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Run directories under ``root`` (the root itself included), sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"results root {root} is not a directory")
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        if CONFIG in filenames and METRICS in filenames:
+            found.append(Path(dirpath))
+            dirnames[:] = []  # a run directory holds no further runs
+        else:
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+    return sorted(found)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}, "c": [1, 2]}`` -> ``{"a.b": 1, "c": "[1, 2]"}``."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = json.dumps(list(value))
+        else:
+            flat[name] = value
+    return flat
+
+
+def read_run(run_dir: Path, root: Path) -> pd.DataFrame:
+    """One run directory as rows (one per metrics line) with its config, git sha and done marker."""
+    cfg = yaml.safe_load((run_dir / CONFIG).read_text()) or {}
+    meta_path = run_dir / META
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    records = []
+    for n, line in enumerate((run_dir / METRICS).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash mid-write: keep what came before
+                print(f"[analysis] {run_dir / METRICS}:{n}: not JSON, ignored")
+    frame = pd.DataFrame.from_records(records)
+    if frame.empty:
+        return frame
+    frame = frame.drop_duplicates("step", keep="last").sort_values("step", ignore_index=True)
+    info = {"run": str(run_dir.relative_to(root)) if run_dir != root else run_dir.name,
+            "run_dir": str(run_dir.resolve()), **flatten(cfg),
+            "git_sha": meta.get("git_sha", "unknown"), "done": (run_dir / DONE).exists()}
+    return pd.concat([pd.DataFrame({k: [v] * len(frame) for k, v in info.items()}), frame], axis=1)
+
+
+def load_runs(root: str | Path) -> pd.DataFrame:
+    """Every run under ``root`` in one DataFrame, one row per (run, step); empty if none."""
+    root = Path(root)
+    frames = []
+    for run_dir in find_runs(root):
+        frame = read_run(run_dir, root)
+        if frame.empty:
+            print(f"[analysis] {run_dir}: no metrics yet, skipped")
+        else:
+            frames.append(frame)
+    if not frames:
+        return pd.DataFrame(columns=["run", "step", "method", "seed", "task_label", "variant"])
+    return label_runs(pd.concat(frames, ignore_index=True))
+
+
+def per_run(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: its config columns (everything that is constant within the run)."""
+    return runs.drop_duplicates("run").set_index("run", drop=False)
+
+
+def _differing(configs: pd.DataFrame, keys: list[str]) -> list[str]:
+    """Keys with more than one value among the runs that have them (a key that older runs lack
+    does not count as a difference)."""
+    return [k for k in keys if configs[k].dropna().astype(str).nunique() > 1]
+
+
+def _label(head: str, row: pd.Series, keys: list[str], names: dict[str, str]) -> str:
+    return " ".join([head, *(f"{names[k]}={_short(row[k])}" for k in keys if pd.notna(row[k]))])
+
+
+def _short_names(keys: list[str], own: str) -> dict[str, str]:
+    """``logra.lr`` -> ``lr`` in a logra label; a shared key by its last part where that is unique
+    and telling (``target_kl``), else in full (``eval.size``)."""
+    last = pd.Series([k.rsplit(".", 1)[-1] for k in keys]).value_counts()
+
+    def name(key: str) -> str:
+        if own and key.startswith(own):
+            return key.removeprefix(own)
+        tail = key.rsplit(".", 1)[-1]
+        return tail if last[tail] == 1 and "_" in tail else key
+
+    return {k: name(k) for k in keys}
+
+
+def _short(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _defines_experiment(key: str) -> bool:
+    last = key.rsplit(".", 1)[-1]
+    return key not in IGNORED_KEYS and not key.startswith(IGNORED_SECTIONS) and "seed" not in last
+
+
+def label_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """Add ``task_label`` and ``variant`` (see the module docstring)."""
+    runs = runs.assign(**{c: runs[c].fillna("?") if c in runs else "?" for c in ("method", "task.name")})
+    configs = per_run(runs)
+    config_keys = [c for c in configs.columns
+                   if "/" not in c and c not in ("run", "run_dir", "git_sha", "done", "step") and _defines_experiment(c)]
+    task_label, variant = {}, {}
+    several_models = "model.name" in configs and configs["model.name"].dropna().nunique() > 1
+    for task, group in configs.groupby("task.name"):
+        keys = _differing(group, [k for k in config_keys if k.startswith("task.") and k != "task.name"])
+        names = _short_names(keys, "task.")
+        for run, row in group.iterrows():
+            model = f" ({row['model.name']})" if several_models else ""
+            task_label[run] = _label(str(task), row, keys, names) + model
+    configs = configs.assign(task_label=configs.index.map(task_label))
+    methods = set(configs["method"].astype(str))
+    for method, group in configs.groupby("method"):
+        others = tuple(f"{m}." for m in methods - {method})
+        candidates = ([k for k in config_keys if k.startswith(f"{method}.")]  # its own knobs first
+                      + [k for k in config_keys if k.startswith(VARIANT_SECTIONS) and not k.startswith(others)
+                         and k != "model.name"])  # the model is part of the task label
+        differing = {k for _, of_task in group.groupby("task_label") for k in _differing(of_task, candidates)}
+        keys = [k for k in candidates if k in differing]
+        names = _short_names(config_keys, f"{method}.")
+        variant.update({run: _label(str(method), row, keys, names) for run, row in group.iterrows()})
+    return runs.assign(task_label=runs["run"].map(task_label), variant=runs["run"].map(variant))
+
+
+def load_memory_csv(root: str | Path) -> pd.DataFrame | None:
+    """``<root>/memory/memory.csv`` (written by ``python -m experiments.memory_table``), or None."""
+    path = Path(root) / MEMORY_CSV
+    if not path.exists():
+        return None
+    table = pd.read_csv(path)
+    if "method" not in table.columns or "peak_bytes" not in table.columns:
+        raise ValueError(f"{path}: expected columns {MEMORY_COLUMNS}, got {list(table.columns)}")
+    return table

@@ -1,0 +1,91 @@
+"""Every table and figure of a results root (``python -m analysis <root>`` runs :func:`build`).
+
+Loads every run directory under the root (``analysis.load``) and ``<root>/memory/memory.csv``
+when present, then writes ``<out>/tables/<name>.md|.tex`` (and ``runs.csv``, the tidy per-step
+DataFrame) and ``<out>/figures/<name>.png|.pdf``; ``--out`` defaults to the root. An output whose
+data is absent (no run synced weights, no memory.csv, ...) is skipped with one line saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from analysis import accuracy, kl, learning, memory, sync
+from analysis.load import load_memory_csv, load_runs
+from analysis.render import Absent, Table, save_figure
+
+
+@dataclass
+class Results:
+    root: Path
+    runs: pd.DataFrame
+    memory: pd.DataFrame | None
+
+
+TABLES: dict[str, Callable[[Results], Table]] = {
+    "memory_step": lambda r: memory.step_table(r.memory),
+    "memory_runs": lambda r: memory.runs_table(r.runs),
+    "accuracy": lambda r: accuracy.table(r.runs),
+    "sync": lambda r: sync.table(r.runs),
+    "kl": lambda r: kl.table(r.runs),
+}
+FIGURES: dict[str, Callable[[Results], object]] = {
+    "memory": lambda r: memory.figure(r.memory, r.runs),
+    "curves": lambda r: learning.figure(r.runs),
+    "kl_scatter": lambda r: kl.scatter(r.runs),
+    "scale_trace": lambda r: kl.scale_trace(r.runs),
+    "sync_bytes": lambda r: sync.figure(r.runs),
+}
+# Columns of runs.csv besides the metrics: what names a run and where it came from.
+RUN_COLUMNS = ["run", "task_label", "variant", "method", "seed", "model.name", "task.name", "git_sha", "done"]
+
+
+def load(root: str | Path) -> Results:
+    root = Path(root)
+    return Results(root, load_runs(root), load_memory_csv(root))
+
+
+def tables(results: Results) -> dict[str, Table | str]:
+    """Every table, or the one-line reason it is absent."""
+    return {name: _try(build, results) for name, build in TABLES.items()}
+
+
+def _try(build, results):
+    try:
+        return build(results)
+    except Absent as why:
+        return str(why)
+
+
+def build(root: str | Path | Results, out: str | Path | None = None, log=print) -> list[Path]:
+    """Write every table and figure of ``root`` (a path, or what :func:`load` returned) under ``out``
+    (default: the root); returns the files written."""
+    results = root if isinstance(root, Results) else load(root)
+    out = Path(out) if out is not None else results.root
+    log(f"[analysis] {results.root}: {results.runs['run'].nunique()} runs, "
+        f"memory.csv {'found' if results.memory is not None else 'absent'}")
+    written = []
+    if not results.runs.empty:
+        metrics = [c for c in results.runs.columns if "/" in c]
+        path = out / "tables" / "runs.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        results.runs[[c for c in RUN_COLUMNS if c in results.runs] + ["step"] + metrics].to_csv(path, index=False)
+        written.append(path)
+    for name, table in tables(results).items():
+        if isinstance(table, str):
+            log(f"[analysis] skipped table {name}: {table}")
+        else:
+            written += table.write(out / "tables")
+    for name, make in FIGURES.items():
+        fig = _try(make, results)
+        if isinstance(fig, str):
+            log(f"[analysis] skipped figure {name}: {fig}")
+        else:
+            written += save_figure(fig, out / "figures", name)
+    for path in written:
+        log(f"wrote {path}")
+    return written
