@@ -63,8 +63,8 @@ def table(runs: pd.DataFrame) -> Table:
             f"{fmt(m, 2)} ({fmt(lo, 2)}–{fmt(hi, 2)})" if pd.notna(m) else "—"
             for m, lo, hi in zip(data["ratio_median"], data["ratio_min"], data["ratio_max"])],
         "s (median / min)": [f"{fmt(m, 2)} / {fmt(lo, 2)}" for m, lo in zip(data["scale_median"], data["scale_min"])],
-        "steps shrunk": [f"{100 * f:.0f} %" for f in data["shrunk_frac"]],
-        "shrunk within ±25 % of κ": [f"{100 * f:.0f} %" if pd.notna(f) else "—" for f in data["on_target_frac"]],
+        "shrunk (s < 1)": [f"{100 * f:.0f} %" for f in data["shrunk_frac"]],
+        "within ±25 % of κ (of the shrunk)": [f"{100 * f:.0f} %" if pd.notna(f) else "—" for f in data["on_target_frac"]],
     })
     notes = ["KL per token, pooled over every logged step of every seed; s = applied scale; "
              "κ = step_control.target_kl (≥ 1e9 means predict and log, never scale)"]

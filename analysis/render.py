@@ -43,14 +43,18 @@ class Table:
         return "\n".join(lines) + "\n"
 
     def latex(self) -> str:
+        """A booktabs table, shrunk to the text width when wider; a header's "(unit)" on a second line."""
         cols = list(self.shown.columns)
         spec = "".join("r" if _numeric(self.shown[c]) else "l" for c in cols)
-        body = [" & ".join(tex(c) for c in cols) + r" \\", r"\midrule"]
+        body = [" & ".join(_tex_header(c) for c in cols) + r" \\", r"\midrule"]
         body += [" & ".join(tex(v) for v in row) + r" \\" for row in self.shown.itertuples(index=False)]
         notes = [r"\par\smallskip\footnotesize " + "; ".join(tex(n) for n in self.notes) + "."] if self.notes else []
-        return "\n".join([r"\begin{table}[t]", r"\centering", rf"\caption{{{tex(self.title)}}}",
-                          rf"\label{{tab:{self.name.replace('_', '-')}}}", rf"\begin{{tabular}}{{{spec}}}",
-                          r"\toprule", *body, r"\bottomrule", r"\end{tabular}", *notes, r"\end{table}"]) + "\n"
+        return "\n".join([r"% written by python -m analysis; needs \usepackage{booktabs,graphicx}",
+                          r"\begin{table}[t]", r"\centering", rf"\caption{{{tex(self.title)}}}",
+                          rf"\label{{tab:{self.name.replace('_', '-')}}}",
+                          r"\resizebox{\ifdim\width>\linewidth\linewidth\else\width\fi}{!}{%",
+                          rf"\begin{{tabular}}{{{spec}}}", r"\toprule", *body, r"\bottomrule", r"\end{tabular}}",
+                          *notes, r"\end{table}"]) + "\n"
 
     def write(self, out_dir: Path) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -69,13 +73,20 @@ def _numeric(column: pd.Series) -> bool:
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
         "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$", "×": r"$\times$",
         "Δ": r"$\Delta$", "κ": r"$\kappa$", "·": r"$\cdot$", "≤": r"$\leq$", "≥": r"$\geq$", "−": "-",
-        "—": "--", "²": r"$^2$", "→": r"$\to$"}
+        "—": "--", "–": "--", "²": r"$^2$", "→": r"$\to$"}
 
 
 def tex(value) -> str:
-    """Plain text -> LaTeX source (special characters escaped, the few symbols we print as math)."""
-    out = "".join(_TEX.get(ch, ch) for ch in str(value))
-    return out.encode("ascii", "replace").decode()  # anything else unprintable shows as '?', not a crash
+    """Plain text -> LaTeX source: special characters escaped, the symbols the tables print as math;
+    any other character passes through (UTF-8 input, LaTeX's default since 2018)."""
+    return "".join(_TEX.get(ch, ch) for ch in str(value))
+
+
+def _tex_header(name: str) -> str:
+    head, sep, rest = name.partition(" (")
+    if not sep:
+        return tex(name)
+    return rf"\begin{{tabular}}[b]{{@{{}}c@{{}}}}{tex(head)}\\ {tex(sep.strip() + rest)}\end{{tabular}}"
 
 
 def byte_unit(values) -> tuple[str, float]:
