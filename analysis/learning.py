@@ -39,8 +39,11 @@ def figure(runs: pd.DataFrame):
                  title=f"{task}: training reward of sampled completions")
         ax_e.set(xlabel="GRPO step", ylabel="greedy pass@1 (%)",
                  title=f"{task}: held-out accuracy ({'/'.join(map(str, problems)) or '?'} problems)")
-        ax_r.grid(alpha=0.3)
-        ax_e.grid(alpha=0.3)
+        for ax, least_top in ((ax_r, 0.1), (ax_e, 5.0)):  # rewards and accuracies are ≥ 0: no negative axis
+            if ax.lines and min(min(line.get_ydata(), default=0) for line in ax.lines) >= 0:
+                top = max(ax.get_ylim()[1], least_top)
+                ax.set_ylim(-0.03 * top, top)  # a little room below 0, so a line at 0 is not hidden by the axis
+            ax.grid(alpha=0.3)
         legend_right(ax_e)
     fig.text(0.01, 0.005, "lines: mean over seeds; shaded: ± 1 std over seeds (where > 1 seed)", fontsize=7, color="0.4")
     return fig

@@ -67,7 +67,7 @@ class Table:
 def _numeric(column: pd.Series) -> bool:
     """A column reads as numbers if its cells start with a digit or a sign (right-aligned)."""
     cells = [str(v) for v in column if str(v) not in ("", "-", "—", "ref")]
-    return bool(cells) and all(c.lstrip("+-−").lstrip()[:1].isdigit() for c in cells)
+    return all(c.lstrip("+-−").lstrip()[:1].isdigit() for c in cells)  # no number at all: right-aligned too
 
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
