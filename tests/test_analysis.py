@@ -283,10 +283,12 @@ def test_latex_escaping():
     assert tex("Δ end & κ") == r"$\Delta$ end \& $\kappa$"
 
 
-def test_committed_notebook_has_no_outputs():
-    nb = json.loads((REPO / "notebooks" / "analysis.ipynb").read_text())
-    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
+def test_committed_notebook_is_valid_and_has_no_outputs():
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(REPO / "notebooks" / "analysis.ipynb", as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.outputs == [] and c.execution_count is None for c in code)
 
 
 def test_notebook_executes_against_the_fixture(root, tmp_path, monkeypatch):
