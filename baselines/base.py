@@ -6,7 +6,8 @@ config dataclass (``config_cls``), nested in the run config under its registry n
 
 Life cycle, per run: ``setup(model)`` = ``prepare(model)`` (wrap or instrument the model, choose
 what trains) -> ``build_optimizer(model)``; per update: the trainer accumulates gradients with ``backward`` over
-micro-batches (``backward(loss, last=...)``), then calls ``step()`` once; ``state_dict()`` / ``load_state_dict()`` carry
+micro-batches (``backward(loss, last=...)``), with several processes sums them over the ranks with
+``reduce_gradients(group)``, then calls ``step()`` once; ``state_dict()`` / ``load_state_dict()`` carry
 everything needed to continue bit for bit. With predicted-KL step control the trainer calls
 ``propose()`` (the update, not applied) and ``apply(update, scale)`` instead of ``step()``.
 """
@@ -17,7 +18,9 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from logra_core.distributed import all_reduce_sum
 from logra_core.update import Update
 
 METHODS: dict[str, type["Method"]] = {}
@@ -42,15 +45,20 @@ class Method:
     # predicted-KL step control when step_control.enabled is unset (on for logra: DESIGN §3.2)
     step_control_default: ClassVar[bool] = False
     supports_step_control: ClassVar[bool] = True  # False where updates happen inside backward
+    supports_data_parallel: ClassVar[bool] = True  # False where updates land before gradients could be reduced
+    elementwise_optimizer: ClassVar[bool] = False  # its optimizer acts elementwise on trainable tensors (DeepSpeed ZeRO may partition it)
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
         self.optimizer: torch.optim.Optimizer | None = None
         self.model: nn.Module | None = None
 
-    def setup(self, model: nn.Module) -> nn.Module:
-        """``prepare`` then ``build_optimizer``; returns the model to train."""
+    def setup(self, model: nn.Module, wrap=None) -> nn.Module:
+        """``prepare``, then ``wrap(model, self)`` when given (e.g. FSDP sharding), then
+        ``build_optimizer``; returns the model to train."""
         self.model = self.prepare(model)
+        if wrap is not None:
+            self.model = wrap(self.model, self)
         self.build_optimizer(self.model)
         return self.model
 
@@ -70,6 +78,16 @@ class Method:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def reduce_gradients(self, group=None) -> int:
+        """Sum the accumulated gradients over the data-parallel ranks of ``group``, once per update
+        (after the last micro-batch, before ``step``/``propose``); returns the bytes all-reduced.
+        Default: ``.grad`` of every trainable tensor that is not a DTensor (FSDP reduced those)."""
+        params = [p for p in self.trainable_parameters(self.model) if not isinstance(p, DTensor)]
+        summed, nbytes = all_reduce_sum([p.grad for p in params], group, like=[lambda p=p: p for p in params])
+        for p, g in zip(params, summed):
+            p.grad = g
+        return nbytes
 
     def step(self) -> dict[str, float]:
         """Apply one update from the accumulated gradients; return metrics (e.g. ``step/grad_norm``)."""

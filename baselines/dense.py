@@ -25,6 +25,7 @@ class DenseAdamW(Method):
     """Every parameter trains with torch AdamW; gradients are clipped by global norm."""
 
     config_cls = DenseConfig
+    elementwise_optimizer = True
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         self.params = self.trainable_parameters(model)

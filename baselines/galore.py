@@ -155,6 +155,7 @@ class GaLoreLayerwise(Method):
 
     config_cls = GaLoreConfig
     supports_step_control = False  # each layer's update is applied inside backward: nothing left to scale
+    supports_data_parallel = False  # ... and before the ranks' gradients could be summed
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}

@@ -57,6 +57,10 @@ class LoGRAMethod(Method):
         stats = self.clip_gradients(self.dense_params, self.cfg.max_grad_norm)
         return self.optimizer.propose(), stats
 
+    def reduce_gradients(self, group=None) -> int:
+        """Sketches (m × r per sketched weight) and the small dense gradients, not m × n gradients."""
+        return self.optimizer.reduce_gradients(group)
+
     def apply(self, update, scale: float = 1.0) -> None:
         self.optimizer.apply(update, scale)
 

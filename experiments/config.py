@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from baselines import METHODS
+from experiments.rl.distributed import DistConfig
 from experiments.rl.grpo import GRPOConfig
 from experiments.rl.models import ModelConfig
 from experiments.rl.rollout import RolloutConfig
@@ -71,6 +72,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     step_control: StepControlConfig = field(default_factory=StepControlConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 class ConfigError(ValueError):

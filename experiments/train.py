@@ -4,6 +4,7 @@ Examples:
     python -m experiments.train method=dense task=arith model=smollm2-135m-instruct train.steps=20 out_dir=runs/dense
     python -m experiments.train config=arith_dense out_dir=runs/a resume=true
     python -m experiments.train --show method=dense        # print the resolved config and exit
+    torchrun --nproc_per_node=2 -m experiments.train method=logra dist.strategy=ddp out_dir=runs/dp   # data-parallel
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from experiments.rl.trainer import GRPOTrainer  # heavy imports only after the config is valid
 
-    trainer = GRPOTrainer(cfg)
-    metrics = trainer.train()
+    from experiments.rl.distributed import shutdown
+
+    try:
+        trainer = GRPOTrainer(cfg)
+        metrics = trainer.train()
+    finally:
+        shutdown()  # under torchrun: leave the process group cleanly
     last_eval = [m for m in metrics if "eval/accuracy" in m]
     if last_eval:
         print(f"eval/accuracy: step {last_eval[0]['step']} {last_eval[0]['eval/accuracy']:.3f} -> "

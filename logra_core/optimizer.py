@@ -27,7 +27,9 @@ from typing import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from logra_core.distributed import all_reduce_sum, local, local_rows
 from logra_core.sketch import DEFAULT_TARGETS, SketchedEmbedding, SketchedLinear, install
 from logra_core.svd_projector import MOMENTS, SVDProjector
 from logra_core.sync import LowRankOp, apply_lowrank
@@ -156,13 +158,13 @@ class LoGRA(torch.optim.Optimizer):
                 self.last_changed.append(self.param_name[id(p)])
                 continue
             left, right, alpha, decay, decay_first = found
-            target = self.state[p].get("master", p)
+            target = self.state[p].get("master", local(p))  # a row-sharded weight: this rank's rows
             spec = self._basis_spec(p, right)
             op = LowRankOp((left * (alpha * scale)).to(target.dtype), spec, None if spec else right,
                            scale * decay, decay_first)
             apply_lowrank(target, op, right)
-            if target is not p:
-                p.copy_(target)
+            if "master" in self.state[p]:
+                local(p).copy_(target)
             self.last_lowrank[self.param_name[id(p)]] = op
         self.sketch_step += 1
         self._prepare_next_step()
@@ -197,12 +199,15 @@ class LoGRA(torch.optim.Optimizer):
         s = module.sketch_state.sketch
         if s is None:  # no backward reached this layer
             return
+        rows = local_rows(p)  # W row-sharded (FSDP): S_k, D_k and the update stay on this rank's rows
+        if rows is not None:
+            s = s[rows]
         state = self.state[p]
         if not state:
             state["step"] = 0
-            state["row_second_moment"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+            state["row_second_moment"] = torch.zeros(s.shape[0], dtype=torch.float32, device=s.device)
             if p.dtype != torch.float32:
-                state["master"] = p.detach().float().clone()
+                state["master"] = local(p).detach().float().clone()
         state["step"] += 1
         t = state["step"]
         beta2, eps, lr = group["beta2"], group["eps"], group["lr"]
@@ -230,6 +235,8 @@ class LoGRA(torch.optim.Optimizer):
         s = module.sketch_state.sketch
         if s is None:
             return
+        if local_rows(p) is not None:
+            raise NotImplementedError("projection='svd' on a row-sharded weight: its SVD needs the whole gradient")
         state = self.state[p]
         proj = SVDProjector(p.shape, module.sketch_state.rank)
         proj.basis = state.get("svd_basis")
@@ -273,6 +280,39 @@ class LoGRA(torch.optim.Optimizer):
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
         return state["exp_avg"] / denom, -lr / (1 - beta1**t), lr * group["weight_decay"]
+
+    @torch.no_grad()
+    def reduce_gradients(self, group=None) -> int:
+        """Sum the step's sketches and the plain tensors' gradients over the data-parallel ranks of
+        ``group`` (:mod:`logra_core.distributed`); call once per step, after the last micro-batch.
+        Gradients that are DTensors were reduced by their sharding engine (FSDP) and are skipped.
+        Returns the bytes all-reduced: Σ m·r·4 over sketched weights plus the small dense grads."""
+        states = [m.sketch_state for m in self._unique_modules()]
+        grads = [p for g in self.param_groups if g["kind"] == "dense" for p in g["params"] if not isinstance(p, DTensor)]
+        sketch_like = [lambda st=st, m=m: self._empty_sketch(m, st) for m, st in zip(self._unique_modules(), states)]
+        summed, nbytes = all_reduce_sum([st.sketch for st in states] + [p.grad for p in grads], group,
+                                        like=sketch_like + [lambda p=p: p for p in grads])
+        for st, s in zip(states, summed):
+            st.sketch = s
+        for p, g in zip(grads, summed[len(states):]):
+            p.grad = g
+        return nbytes
+
+    def _unique_modules(self) -> list[nn.Module]:
+        """One sketched module per sketch state (a tied head shares its embedding's), in a fixed order."""
+        seen, out = set(), []
+        for m in self.modules_by_name.values():
+            if id(m.sketch_state) not in seen:
+                seen.add(id(m.sketch_state))
+                out.append(m)
+        return out
+
+    @staticmethod
+    def _empty_sketch(module: nn.Module, state) -> torch.Tensor:
+        """Zeros of the sketch this module's backward would have accumulated on this rank."""
+        m, n = module.weight.shape
+        shape = {"right": (m, state.rank), "left": (state.rank, n), "dense": (m, n)}[state.mode]
+        return torch.zeros(shape, dtype=torch.float32, device=module.weight.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

@@ -1,7 +1,7 @@
 """Metric keys (the one place they are documented) and the per-run metrics writer.
 
 Every line of ``metrics.jsonl`` is one step: ``{"step": s, "<namespace>/<name>": value, ...}``.
-Namespaces: reward/, eval/, loss/, clip/, kl/, step/, rollout/, sync/, time/, mem/. A key that is
+Namespaces: reward/, eval/, loss/, clip/, kl/, step/, rollout/, sync/, time/, mem/, dist/. A key that is
 not documented here is refused, so the analysis code can rely on this table.
 """
 
@@ -48,6 +48,8 @@ METRICS: dict[str, str] = {
     "sync/bytes": "tensor bytes sent to the rollout engine in the step (a full resync included)",
     "sync/full_bytes": "bytes a full-weight sync sends (every parameter once)",
     "sync/resyncs": "full resyncs in the step after a payload was refused (checksum mismatch, version gap)",
+    "dist/allreduce_bytes": "bytes one rank all-reduced in the step's gradient reduction (Method.reduce_gradients: logra's m x r sketches + small dense grads; dense: every .grad; FSDP's own reduce-scatter of sharded grads and ZeRO's are not counted); only with several processes",
+    "time/allreduce_s": "wall time of the step's gradient reduction (Method.reduce_gradients), seconds; only with several processes",
     "mem/peak_bytes": "peak memory: CUDA max allocated in the step, else the process's peak RSS so far",
     "mem/peak_rss_bytes": "the process's peak resident set size so far (ru_maxrss)",
 }

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from baselines import METHODS
 from experiments.config import ConfigError, to_yaml
 from experiments.rl import checkpoint as ckpt
+from experiments.rl.distributed import build_strategy
 from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages
 from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics, truncate_jsonl
 from experiments.rl.models import load_model
@@ -76,12 +77,14 @@ class GRPOTrainer:
         self.cfg = OmegaConf.to_object(cfg)
         c = self.cfg
         self.run_dir = Path(c.out_dir)
-        self._check_run_dir()
+        self.dist = build_strategy(c, METHODS[c.method])  # one process: the identity (experiments/rl/distributed.py)
+        if self.dist.is_main:
+            self._check_run_dir()
         if c.threads > 0:
             torch.set_num_threads(c.threads)
         self.device = torch.device("cuda" if c.device == "auto" and torch.cuda.is_available() else ("cpu" if c.device == "auto" else c.device))
         random.seed(c.seed)
-        torch.manual_seed(c.seed)
+        torch.manual_seed(c.seed + 1_000_003 * self.dist.rank)  # ranks sample different completions
 
         self.task = build_task(c.task)
         self.train_problems = self.task.train_split()
@@ -92,7 +95,8 @@ class GRPOTrainer:
 
         self.method = METHODS[c.method](getattr(c, c.method))
         model, self.tokenizer = load_model(c.model)
-        self.model = self.method.setup(model.to(self.device))
+        self.model = self.method.setup(model.to(self.device), wrap=self.dist.wrap)
+        self.method = self.dist.attach(self.method)
         self.model.train()
         enabled = c.step_control.enabled
         self.step_control = self.method.step_control_default if enabled is None else enabled
@@ -103,8 +107,9 @@ class GRPOTrainer:
         self.engine = build_engine(c.rollout, self.model, self.tokenizer,
                                    factory=PolicyFactory(c.model, c.method, getattr(c, c.method), c.threads))
         self.sender = SyncSender(self.model) if self.engine.holds_copy else None
-        self._record_run()  # only now: a run that failed to set up leaves no run directory behind
-        self.metrics = MetricsWriter(self.run_dir, tensorboard=c.log.tensorboard)
+        if self.dist.is_main:
+            self._record_run()  # only now: a run that failed to set up leaves no run directory behind
+        self.metrics = self.dist.metrics_writer(lambda: MetricsWriter(self.run_dir, tensorboard=c.log.tensorboard))
         self.step = 0
         self.epoch, self.cursor = 0, 0
         if c.resume:
@@ -149,11 +154,15 @@ class GRPOTrainer:
             print(f"[resume] no checkpoint yet in {self.run_dir}: starting at step 0")
         # records written after that checkpoint are redone, not duplicated
         self.metrics.truncate_after(self.step if found else -1)
-        truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
+        if self.dist.is_main:
+            truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
 
     def save(self) -> None:
         state = {"epoch": self.epoch, "cursor": self.cursor}
-        ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.method.state_dict(), state, keep=self.cfg.checkpoint.keep)
+        model, method_state = self.dist.checkpoint_state(self.model, self.method)  # gathers shards: every rank
+        if self.dist.is_main:
+            ckpt.save_checkpoint(self.run_dir, self.step, model, method_state, state, keep=self.cfg.checkpoint.keep)
+        self.dist.barrier()
 
     # ---- data -----------------------------------------------------------------------------
     def _next_problems(self, n: int):
@@ -178,7 +187,7 @@ class GRPOTrainer:
             self.sync(full=True)  # the engine's copy starts equal to the (possibly resumed) policy
             if self.step == 0 and c.eval.every > 0 and c.eval.at_start:
                 self.metrics.write({"step": 0, **self.evaluate()})
-            bar = tqdm(total=c.train.steps, initial=self.step, desc=f"GRPO {c.method}", disable=not c.log.progress, dynamic_ncols=True)
+            bar = tqdm(total=c.train.steps, initial=self.step, desc=f"GRPO {c.method}", disable=not (c.log.progress and self.dist.is_main), dynamic_ncols=True)
             while self.step < c.train.steps:
                 record = self.train_step()
                 self.step += 1
@@ -205,21 +214,24 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        problems = self._next_problems(tc.prompts_per_step)
-        rollouts = self.engine.generate(self._prompts(problems), n=tc.group_size)
+        problems = self.dist.shard(self._next_problems(tc.prompts_per_step))  # this rank's whole groups
+        with self.dist.full_weights(self.model):
+            rollouts = self.dist.generate(self.engine, self._prompts(problems), tc.group_size, self.step)
         t1 = time.perf_counter()
         references = [p.reference for p in problems for _ in range(tc.group_size)]
         rewards = torch.tensor(self.reward_fn(rollouts.texts, references), dtype=torch.float32)
         t2 = time.perf_counter()
         advantages = group_advantages(rewards, tc.group_size, tc.std_normalize)
         keep = advantages != 0 if (tc.skip_zero_advantage and tc.kl_coef == 0) else torch.ones_like(advantages, dtype=torch.bool)
+        every = self.dist.gather  # the whole global batch's rewards and lengths (the identity on one process)
+        all_rewards, lengths = every(rewards), every(rollouts.completion_mask.sum(1).float())
         record = {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "reward/accuracy": float((rewards > 0.5).float().mean()),
-            "reward/zero_std_groups": float((rewards.view(-1, tc.group_size).std(1) == 0).float().mean()) if tc.group_size > 1 else 1.0,
-            "rollout/len_mean": float(rollouts.completion_mask.sum(1).float().mean()),
-            "rollout/truncated_frac": float(rollouts.truncated.float().mean()),
+            "reward/mean": float(all_rewards.mean()),
+            "reward/std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
+            "reward/accuracy": float((all_rewards > 0.5).float().mean()),
+            "reward/zero_std_groups": float((all_rewards.view(-1, tc.group_size).std(1) == 0).float().mean()) if tc.group_size > 1 else 1.0,
+            "rollout/len_mean": float(lengths.mean()),
+            "rollout/truncated_frac": float(every(rollouts.truncated.float()).mean()),
         }
         record.update(self._optimize(rollouts, advantages, keep))
         t3 = time.perf_counter()
@@ -232,18 +244,22 @@ class GRPOTrainer:
         """``ppo_epochs`` updates on the rows in ``keep``, each from gradients accumulated over micro-batches."""
         tc = self.cfg.train
         rows = keep.nonzero().squeeze(-1)
-        stats = {"rollout/trained_seqs": float(len(rows)), "rollout/trained_tokens": 0.0}
-        if len(rows) == 0:  # every group had equal rewards: no signal, no update
+        trained_seqs, trained_tokens = self.dist.all_sum(len(rows), rollouts.completion_mask[rows].sum())  # over ranks
+        stats = {"rollout/trained_seqs": trained_seqs, "rollout/trained_tokens": 0.0}
+        if trained_seqs == 0:  # every group had equal rewards: no signal, no update
             return {**stats, "loss/policy": 0.0, "clip/fraction": 0.0}
         micro = [rows[i : i + tc.micro_batch_size] for i in range(0, len(rows), tc.micro_batch_size)]
-        stats["rollout/trained_tokens"] = float(rollouts.completion_mask[rows].sum())
+        real = len(micro)
+        micro = self.dist.even_micro_batches(micro)  # FSDP: the same number of forwards on every rank
+        stats["rollout/trained_tokens"] = trained_tokens
         old = None
         if tc.ppo_epochs > 1:
             with torch.no_grad():
                 old = [self._logprobs(self.model, rollouts.select(idx)) for idx in micro]
         for epoch in range(tc.ppo_epochs):
             self.method.zero_grad()
-            pass_stats = self.accumulate_gradients(rollouts, advantages, micro, old)
+            pass_stats = self.accumulate_gradients(rollouts, advantages, micro, old, real=real)
+            stats.update(self.dist.reduce_gradients(self.method))  # once per update, not per micro-batch
             if epoch == 0:
                 stats["kl/sampler_trainer"] = pass_stats.pop("kl/sampler_trainer")
             stats.update(self._controlled_step(rollouts, rows) if self.step_control else self.method.step())
@@ -277,28 +293,35 @@ class GRPOTrainer:
         """Propose the update, predict its KL on a probe of the batch, apply it scaled (DESIGN §3.2)."""
         sc = self.cfg.step_control
         update, stats = self.method.propose()
-        inputs = probe_inputs(rollouts.select(rows[: sc.probe_seqs]), self.device)
-        predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk)
+        probe = rows[: -(-sc.probe_seqs // self.dist.world_size)]  # each rank probes its share
+        inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
+        weight = float(inputs["positions"].sum()) if inputs else 0.0
+        predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk) if inputs else 0.0
+        predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
         scale = step_scale(predicted, sc.target_kl)
-        if sc.measure_realized:
+        if sc.measure_realized and inputs:
             head = self.model.get_output_embeddings().weight
             h_old, w_old = hidden_states(self.model, **inputs), head.detach().clone()
         self.method.apply(update, scale)
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale})
         if sc.measure_realized:
-            h_new = hidden_states(self.model, **inputs)
-            stats["kl/realized"] = float(exact_kl(h_old, w_old, h_new, head.detach(), sc.chunk).mean())
+            realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs), head.detach(), sc.chunk).mean()) if inputs else 0.0
+            stats["kl/realized"] = self.dist.weighted_mean(realized, weight)
         return stats
 
-    def accumulate_gradients(self, rollouts: Rollouts, advantages: torch.Tensor, micro: list[torch.Tensor], old=None) -> dict[str, float]:
+    def accumulate_gradients(self, rollouts: Rollouts, advantages: torch.Tensor, micro: list[torch.Tensor], old=None,
+                             real: int | None = None) -> dict[str, float]:
         """Backward of the batch's token-mean loss, one micro-batch (row indices) at a time.
 
         ``old``: per-micro-batch old log-probs, or None for on-policy (π_old = π_θ detached).
         Each micro-batch's loss is divided by the token count of all micro-batches together, so
-        the accumulated gradient equals the whole batch's.
+        the accumulated gradient equals the whole batch's; with several ranks the count is the global
+        batch's, so the ranks' gradients sum to it. Micro-batches from index ``real`` on are padding
+        (FSDP: equal forward counts on every rank), trained with weight 0.
         """
         tc = self.cfg.train
-        num_tokens = float(sum(rollouts.completion_mask[idx].sum() for idx in micro))
+        real = len(micro) if real is None else real
+        num_tokens = self.dist.all_sum(sum(rollouts.completion_mask[idx].sum() for idx in micro[:real]))[0]
         loss_sum, clipped, kl_sum, sampler_diff = 0.0, 0.0, 0.0, 0.0
         for k, idx in enumerate(micro):
             mb = rollouts.select(idx)
@@ -313,11 +336,14 @@ class GRPOTrainer:
                 logprobs, old_lp, advantages[idx].to(self.device), mask, tc.clip_low, tc.clip_high,
                 num_tokens, ref_lp, tc.kl_coef,
             )
+            if k >= real:
+                loss, s, mask = loss * 0.0, {}, mask * 0
             self.method.backward(loss, last=k == len(micro) - 1)
             loss_sum += float(loss.detach())
-            clipped += s["clipped_tokens"]
+            clipped += s.get("clipped_tokens", 0.0)
             kl_sum += s.get("kl_sum", 0.0)
             sampler_diff += float(((mb.sampler_logprobs.to(self.device) - old_lp) * mask).sum())
+        loss_sum, clipped, kl_sum, sampler_diff = self.dist.all_sum(loss_sum, clipped, kl_sum, sampler_diff)
         stats = {"loss/policy": loss_sum, "clip/fraction": clipped / num_tokens, "kl/sampler_trainer": sampler_diff / num_tokens}
         if self.ref_model is not None:
             stats["kl/ref"] = kl_sum / num_tokens
@@ -335,23 +361,24 @@ class GRPOTrainer:
         c = self.cfg
         t0 = time.perf_counter()
         correct, lengths = [], []
-        problems = self.test_problems
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        problems, real = self.dist.shard_padded(self.test_problems)  # every rank evaluates its share
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.dist.full_weights(self.model):
             for i in tqdm(range(0, len(problems), c.eval.batch_size), desc="eval", leave=False, disable=not c.log.progress):
                 batch = problems[i : i + c.eval.batch_size]
                 out = self.engine.generate(self._prompts(batch), n=1, greedy=True, max_new_tokens=c.eval.max_new_tokens)
                 correct += self.reward_fn(out.texts, [p.reference for p in batch])
                 lengths += out.completion_mask.sum(1).tolist()
+        n_correct, n, length_sum = self.dist.all_sum(sum(r > 0.5 for r in correct[:real]), real, sum(lengths[:real]))
         return {
-            "eval/accuracy": sum(r > 0.5 for r in correct) / max(len(correct), 1),
-            "eval/num_problems": float(len(correct)),
-            "eval/len_mean": sum(lengths) / max(len(lengths), 1),
+            "eval/accuracy": n_correct / max(n, 1),
+            "eval/num_problems": n,
+            "eval/len_mean": length_sum / max(n, 1),
             "time/eval_s": time.perf_counter() - t0,
         }
 
     def _log_samples(self, problems, rollouts: Rollouts, rewards: torch.Tensor) -> None:
         n = min(self.cfg.log.samples, len(rollouts))
-        if n <= 0:
+        if n <= 0 or not self.dist.is_main:
             return
         G = self.cfg.train.group_size
         with open(self.run_dir / "samples.jsonl", "a") as f:
