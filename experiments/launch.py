@@ -1,0 +1,120 @@
+"""Launch a sweep: ``python -m experiments.launch sweep=<yaml or name> [launcher=local|slurm|debug] [--dry-run]``.
+
+Examples:
+    python -m experiments.launch sweep=quick                      # experiments/sweeps/quick.yaml, local processes
+    python -m experiments.launch sweep=cpu launcher.max_parallel=2
+    python -m experiments.launch sweep=paper launcher=slurm launcher.partition=gpu launcher.account=me
+    python -m experiments.launch sweep=paper --dry-run            # the plan + per-GPU memory prediction per job
+    python -m experiments.launch sweep=my_sweep.yaml root=/scratch/me/results train.steps=5
+
+Arguments: ``sweep=`` (required), ``launcher=<name>``, ``launcher.<key>=<value>`` (max_parallel,
+partition, account, gpus_per_node, cpus_per_task, nodes, timeout_min, mem_gb, wait, ...),
+``root=<dir>`` (default results/<sweep name>), ``--dry-run``; any other ``key=value`` is a run
+config override applied to every run (it changes the runs' hashes, hence their directories).
+
+Runs already marked complete (``done.json``) are skipped; the others run (or resume from their
+checkpoints). A failing run is reported with its log path and the others go on; the exit code is 1
+when any run failed, and rerunning the same command runs only those.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from experiments.config import ConfigError
+
+
+def parse(argv: list[str]) -> dict:
+    out = {"sweep": None, "root": None, "dry_run": False, "launcher": {}, "extra": [], "show_memory": None}
+    for arg in argv:
+        if arg in ("--dry-run", "-n"):
+            out["dry_run"] = True
+        elif arg == "--memory":
+            out["show_memory"] = True
+        elif "=" not in arg:
+            raise ConfigError(f"expected key=value or --dry-run, got {arg!r}")
+        else:
+            key, value = arg.split("=", 1)
+            if key == "sweep":
+                out["sweep"] = value
+            elif key == "root":
+                out["root"] = value
+            elif key == "launcher":
+                out["launcher"]["name"] = value
+            elif key.startswith("launcher."):
+                out["launcher"][key.split(".", 1)[1]] = yaml.safe_load(value)
+            else:
+                out["extra"].append(arg)
+    if not out["sweep"]:
+        raise ConfigError("sweep=<yaml or name> is required (e.g. sweep=quick)")
+    return out
+
+
+def run_after(sweep, dry_run: bool) -> bool:
+    """Run the sweep's ``after:`` commands (each skipped when its ``creates`` file exists)."""
+    from experiments.launcher.report import after_args
+
+    ok = True
+    for step in sweep.after:
+        label = step.get("name", step["module"])
+        creates = step.get("creates")
+        if creates and Path(str(creates).format(root=sweep.root)).exists():
+            print(f"[  skipped] {label}: {str(creates).format(root=sweep.root)} exists")
+            continue
+        if importlib.util.find_spec(step["module"]) is None:
+            print(f"[unavailable] {label}: module {step['module']} is not in this tree yet; skipped")
+            continue
+        cmd = [sys.executable, "-m", step["module"], *after_args(step, sweep)]
+        print(f"[  running] {label}: {' '.join(cmd[1:])}", flush=True)
+        rc = subprocess.run(cmd).returncode
+        if rc != 0:
+            print(f"[   failed] {label}: exit code {rc}")
+            ok = False
+    return ok
+
+
+def main(argv: list[str] | None = None, train_fn=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    try:
+        args = parse(argv)
+        from experiments.launcher.executors import check_launcher, launch
+        from experiments.launcher.report import print_plan, print_summary, write_summary_csv
+        from experiments.launcher.sweep import load_sweep
+
+        sweep = load_sweep(args["sweep"], args["root"])
+        launcher = {**sweep.launcher, **args["launcher"]}
+        launcher.setdefault("name", "local")
+        check_launcher(launcher)
+        runs = sweep.runs(tuple(args["extra"]))
+    except (ConfigError, ValueError) as e:
+        print(f"launch error: {e}", file=sys.stderr)
+        return 2
+    show_memory = args["show_memory"] if args["show_memory"] is not None else bool(sweep.planner)
+    if args["dry_run"]:
+        print_plan(sweep, runs, launcher, show_memory)
+        return 0
+    skipped = [r for r in runs if r.done]
+    todo = [r for r in runs if not r.done]
+    print(f"sweep {sweep.name}: {len(runs)} runs ({len(skipped)} done, skipped; {len(todo)} to run) "
+          f"with launcher {launcher['name']} -> {sweep.root}/runs", flush=True)
+    for run in skipped:
+        print(f"[  skipped] {run.label} (done)")
+    outcomes = launch(todo, launcher, train_fn) if todo else []
+    print_summary(outcomes, skipped)
+    path = write_summary_csv(sweep.root, runs, outcomes)
+    print(f"run summary: {path}")
+    failed = any(o.status in ("failed", "preempted") for o in outcomes)
+    after_ok = run_after(sweep, dry_run=False) if sweep.after else True
+    return 1 if failed or not after_ok else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

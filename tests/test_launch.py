@@ -1,0 +1,267 @@
+"""Sweeps and launching: grid expansion, config hashing, skip-completed, failure isolation, the local
+executor with real tiny-llama runs, the slurm submission script, requeue, the profiles' plans."""
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from experiments import launch
+from experiments.config import ConfigError, build_config
+from experiments.launcher.executors import render_sbatch
+from experiments.launcher.jobs import RunPreempted, TrainJob
+from experiments.launcher.sweep import DONE, config_hash, flatten, identity, load_sweep
+from tests.conftest import TINY
+
+FAKE = "tests.launch_fakes:fake_train"
+
+
+def write_sweep(tmp_path: Path, data: dict, name: str = "s") -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def small_sweep(tmp_path, seeds=(0, 1, 2), **extra) -> str:
+    return write_sweep(tmp_path, {"base": {"model": {"name": "tiny-llama"}, "train": {"steps": 1}},
+                                  "grid": {"method": ["dense"], "seed": list(seeds)}, "root": str(tmp_path / "root"), **extra})
+
+
+def calls(run_dir: Path) -> int:
+    path = run_dir / "calls.txt"
+    return len(path.read_text()) if path.exists() else 0
+
+
+# ---- grid expansion ---------------------------------------------------------------------------
+def test_grid_and_ablations_expand_to_the_cartesian_product(tmp_path):
+    path = write_sweep(tmp_path, {
+        "base": {"model": {"name": "tiny-llama"}, "train.steps": 2},
+        "grid": {"method": ["dense", "logra"], "task": ["arith", "gsm8k"], "seed": [0, 1]},
+        "ablations": [
+            {"name": "nokl", "set": {"method": "logra", "step_control": {"enabled": False}}},
+            {"name": "rank", "set": {"method": "logra"}, "grid": {"logra.rank": [8, 32]}},
+        ],
+    })
+    runs = load_sweep(path, root=str(tmp_path / "r")).runs()
+    # grid 2 x 2 x 2 = 8; nokl crossed with task x seed (method is set) = 4; rank: 2 ranks x 4 = 8
+    assert len(runs) == 20
+    grid = [r for r in runs if r.ablation is None]
+    assert {(r.cfg.method, r.cfg.task.name, r.cfg.seed) for r in grid} == {
+        (m, t, s) for m in ("dense", "logra") for t in ("arith", "gsm8k") for s in (0, 1)}
+    assert all(r.cfg.train.steps == 2 and r.cfg.model.name == "tiny-llama" for r in runs)
+    nokl = [r for r in runs if r.ablation == "nokl"]
+    assert len(nokl) == 4 and all(r.cfg.method == "logra" and r.cfg.step_control.enabled is False for r in nokl)
+    ranks = sorted(r.cfg.logra.rank for r in runs if r.ablation == "rank")
+    assert ranks == [8] * 4 + [32] * 4
+    names = [r.run_dir.name for r in runs]
+    assert "dense-arith-s0-" in names[0] and any(n.startswith("nokl-gsm8k-s1-") for n in names)
+    assert any(n.startswith("rank-arith-rank32-s0-") for n in names)
+    assert len(set(names)) == 20 and all(r.run_dir.parent == tmp_path / "r" / "runs" for r in runs)
+    assert all(Path(r.cfg.out_dir) == r.run_dir for r in runs)
+
+
+def test_duplicate_configs_collapse_to_one_run(tmp_path):
+    # the ablation repeats a grid point exactly: same hash, one run
+    path = write_sweep(tmp_path, {"grid": {"method": ["dense"], "seed": [0]},
+                                  "ablations": [{"name": "again", "set": {"method": "dense"}}]})
+    assert len(load_sweep(path).runs()) == 1
+
+
+def test_bad_sweeps_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown sweep keys"):
+        load_sweep(write_sweep(tmp_path, {"grdi": {}}))
+    with pytest.raises(ConfigError, match="non-empty list"):
+        load_sweep(write_sweep(tmp_path, {"grid": {"seed": 3}}))
+    with pytest.raises(ConfigError, match="run 'dense'.*unknown config key"):
+        load_sweep(write_sweep(tmp_path, {"base": {"train.stpes": 3}, "grid": {"method": ["dense"]}})).runs()
+    with pytest.raises(ConfigError, match="not found"):
+        load_sweep("no_such_sweep")
+
+
+# ---- hashing ----------------------------------------------------------------------------------
+def test_equal_configs_hash_equal_however_spelled(tmp_path):
+    a = build_config(["model=tiny-llama", "dense.lr=1e-5", "seed=3"])
+    b = build_config(["seed=3", "model.name=tiny-llama", "dense.lr=0.00001", "dense.max_grad_norm=1.0"])  # default spelled out
+    (tmp_path / "c.yaml").write_text("seed: 3\nmodel: {name: tiny-llama}\ndense: {lr: 1.0e-5}\n")
+    c = build_config([f"config={tmp_path / 'c.yaml'}"])
+    # keys that do not change what is computed: where it lives, resume, threads, logging
+    d = build_config(["model=tiny-llama", "dense.lr=1e-5", "seed=3", "out_dir=elsewhere", "resume=true", "threads=1",
+                      "log.progress=false", "log.samples=0", "log.tensorboard=true", "task.data_dir=/data", "model.cache_dir=/c"])
+    assert config_hash(a) == config_hash(b) == config_hash(c) == config_hash(d)
+    assert len(config_hash(a)) == 8
+
+
+def _changed(v):
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, (int, float)):
+        return v * 2 + 1
+    if v is None:
+        return "x"
+    return str(v) + "x"
+
+
+def test_any_change_of_an_identity_key_changes_the_hash():
+    cfg = build_config(["model=tiny-llama"])
+    base = config_hash(cfg)
+    keys = identity(cfg)
+    assert {"method", "seed", "train.steps", "model.name", "dense.lr", "logra.rank", "task.name", "eval.size"} <= set(keys)
+    assert not {"out_dir", "resume", "threads", "log.progress"} & set(keys)
+    for key, value in keys.items():
+        changed = OmegaConf.create(OmegaConf.to_container(cfg))
+        OmegaConf.update(changed, key, _changed(value))
+        assert config_hash(changed) != base, key
+    # and through the real config builder, a single override moves the run to a new directory
+    assert config_hash(build_config(["model=tiny-llama", "train.steps=21"])) != base
+
+
+def test_sweep_run_dirs_are_stable_and_move_with_the_config(tmp_path):
+    first = load_sweep(small_sweep(tmp_path)).runs()
+    again = load_sweep(small_sweep(tmp_path)).runs()
+    assert [r.run_dir for r in first] == [r.run_dir for r in again]
+    moved = load_sweep(small_sweep(tmp_path)).runs(("train.steps=2",))
+    assert not {r.run_dir for r in first} & {r.run_dir for r in moved}
+
+
+# ---- skip-completed and failure isolation (debug launcher: in-process) --------------------------
+def test_completed_runs_are_skipped(tmp_path, capsys):
+    sweep = small_sweep(tmp_path)
+    assert launch.main([f"sweep={sweep}", "launcher=debug"], train_fn=FAKE) == 0
+    runs = load_sweep(sweep).runs()
+    assert all(r.done and calls(r.run_dir) == 1 for r in runs)
+    record = json.loads((runs[0].run_dir / DONE).read_text())
+    assert record["steps"] == 1 and record["run_dir"] == str(runs[0].run_dir)
+    assert launch.main([f"sweep={sweep}", "launcher=debug"], train_fn=FAKE) == 0
+    assert all(calls(r.run_dir) == 1 for r in runs)  # nothing ran again
+    out = capsys.readouterr().out
+    assert "3 done, skipped; 0 to run" in out and "summary: 3 skipped" in out
+    summary = (tmp_path / "root" / "summary.csv").read_text().splitlines()
+    assert len(summary) == 4 and all(",done," in line for line in summary[1:])
+
+
+def test_a_failing_run_does_not_stop_the_others_and_a_rerun_fills_the_hole(tmp_path, monkeypatch, capsys):
+    sweep = small_sweep(tmp_path)
+    monkeypatch.setenv("LOGRA_FAKE_FAIL", "1")
+    assert launch.main([f"sweep={sweep}", "launcher=debug"], train_fn=FAKE) == 1
+    runs = {r.cfg.seed: r for r in load_sweep(sweep).runs()}
+    assert runs[0].done and runs[2].done and not runs[1].done  # the one after the failure ran too
+    log = runs[1].run_dir / "launch_error.txt"
+    assert "planned failure of seed 1" in log.read_text()
+    out = capsys.readouterr().out
+    assert "failed" in out and str(log) in out and "2 done, 1 failed" in out
+    monkeypatch.setenv("LOGRA_FAKE_FAIL", "")
+    assert launch.main([f"sweep={sweep}", "launcher=debug"], train_fn=FAKE) == 0
+    assert [calls(runs[s].run_dir) for s in (0, 1, 2)] == [1, 2, 1]  # only the hole ran
+    assert runs[1].done
+
+
+def test_each_job_runs_with_resume_and_its_own_out_dir(tmp_path):
+    run = load_sweep(small_sweep(tmp_path, seeds=(0,))).runs()[0]
+    job = TrainJob(run.overrides, run.run_dir, train_fn=FAKE)
+    assert job.args()[-2:] == [f"out_dir={run.run_dir}", "resume=true"]
+    again = job.checkpoint()  # what submitit resubmits on timeout/preemption
+    assert isinstance(again.function, TrainJob) and again.function.run_dir == run.run_dir
+    assert again.function.overrides == run.overrides and again.function.attempt == 1
+    assert "resume=true" in again.function.args()
+
+
+def test_a_preempted_run_hands_over_to_submitits_requeue(tmp_path, monkeypatch):
+    run = load_sweep(small_sweep(tmp_path, seeds=(0,))).runs()[0]
+    job = TrainJob(run.overrides, run.run_dir, train_fn="tests.launch_fakes:preempted_train")
+    with pytest.raises(RunPreempted):  # outside submitit: reported, nothing requeued
+        job()
+    seen = []
+
+    def submitit_handler(signum, frame):  # stands in for submitit's checkpoint_and_try_requeue
+        seen.append(signum)
+        raise SystemExit(-1)
+
+    from submitit.core.job_environment import JobEnvironment
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    old = signal.signal(JobEnvironment._usr_sig(), submitit_handler)
+    try:
+        with pytest.raises(SystemExit):
+            job()
+    finally:
+        signal.signal(JobEnvironment._usr_sig(), old)
+    assert seen == [JobEnvironment._usr_sig()] and not (run.run_dir / DONE).exists()
+
+
+# ---- local executor: two real tiny-llama runs in their own processes ------------------------------
+def test_local_executor_runs_two_tiny_llama_runs(tmp_path, capsys):
+    base = dict(o.split("=", 1) for o in TINY)
+    base.update({"train.steps": "2", "eval.every": "2", "task.name": "toy", "model.name": "tiny-llama", "threads": "1"})
+    base.pop("task"), base.pop("model")
+    sweep = write_sweep(tmp_path, {"base": {k: yaml.safe_load(v) for k, v in base.items()},
+                                   "grid": {"method": ["dense", "logra"]}, "root": str(tmp_path / "root"),
+                                   "launcher": {"name": "local", "max_parallel": 2}})
+    assert launch.main([f"sweep={sweep}"], train_fn="tests.launch_fakes:toy_train") == 0
+    runs = load_sweep(sweep).runs()
+    for run in runs:
+        assert run.done, run.run_dir
+        lines = [json.loads(l) for l in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert max(l["step"] for l in lines) == 2
+        assert OmegaConf.load(run.run_dir / "config.yaml").method == run.cfg.method
+        assert list((run.run_dir / "submitit").glob("*_log.out"))  # per-run logs in the run dir
+    out = capsys.readouterr().out
+    assert out.count("[     done]") == 2
+    assert launch.main([f"sweep={sweep}"], train_fn="tests.launch_fakes:toy_train") == 0
+    assert "2 done, skipped; 0 to run" in capsys.readouterr().out
+
+
+def test_local_executor_reports_a_failing_process_with_its_log(tmp_path, monkeypatch, capsys):
+    sweep = small_sweep(tmp_path, seeds=(0, 1), launcher={"name": "local", "max_parallel": 2})
+    monkeypatch.setenv("LOGRA_FAKE_FAIL", "0")  # inherited by the job processes
+    assert launch.main([f"sweep={sweep}"], train_fn=FAKE) == 1
+    runs = {r.cfg.seed: r for r in load_sweep(sweep).runs()}
+    assert runs[1].done and not runs[0].done
+    out = capsys.readouterr().out
+    err_logs = list((runs[0].run_dir / "submitit").glob("*_log.err"))
+    assert err_logs and "planned failure of seed 0" in err_logs[0].read_text()
+    assert str(err_logs[0]) in out
+
+
+# ---- slurm: the submission script, rendered without a cluster ----------------------------------
+def test_slurm_submission_script_is_rendered_for_a_sample_config(tmp_path):
+    launcher = {"name": "slurm", "partition": "gpu", "account": "proj42", "gpus_per_node": 8, "cpus_per_task": 64,
+                "timeout_min": 120, "nodes": 1, "mem_gb": 500}
+    run = load_sweep(small_sweep(tmp_path, seeds=(0,), launcher=launcher)).runs()[0]
+    script = render_sbatch(run, launcher)
+    for line in ["#SBATCH --partition=gpu", "#SBATCH --account=proj42", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --cpus-per-task=64", "#SBATCH --time=120", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1",
+                 f"#SBATCH --job-name={run.label}", "#SBATCH --signal=USR2@", "#SBATCH --mem=500GB"]:
+        assert line in script, line
+    assert "-m submitit.core._submit" in script and str(run.run_dir / "submitit") in script
+
+
+def test_paper_profile_dry_run_lists_its_jobs(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a dry run must not download anything
+    assert launch.main(["sweep=paper", f"root={tmp_path}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    n = 3 * 2 * 2 * 3 + 2 * 2 * 2 * 3 + 3 * 2 * 3  # grid (model x method x task x seed) + galore/lora + logra-nokl
+    assert f"paper.yaml): {n} runs, 0 done, {n} to run; launcher slurm" in out
+    assert out.count("[         new]") == n and out.count("gemma-2-27b-it-") == 2 * 2 * 3 + 2 * 3
+    assert "torchrun --standalone --nproc_per_node=8 -m experiments.train" in out
+    assert "#SBATCH --gpus-per-node=8" in out
+    assert out.count("planned ") + out.count("memory plan unavailable") + out.count("memory plan failed") == n
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("profile", ["quick", "cpu"])
+def test_profiles_resolve(profile, tmp_path):
+    runs = load_sweep(profile, root=str(tmp_path)).runs()
+    assert {r.cfg.method for r in runs} == {"dense", "galore", "galore_layerwise", "lora", "logra"}
+    if profile == "cpu":
+        assert {r.cfg.task.name for r in runs} == {"arith", "gsm8k"} and {r.cfg.seed for r in runs} == {0, 1, 2}
+        assert any(r.cfg.method == "logra" and r.cfg.step_control.enabled is False for r in runs)
+        assert {r.cfg.logra.rank for r in runs if r.cfg.method == "logra"} == {16, 64, 256}
+    else:
+        assert all(r.cfg.model.name == "smollm2-135m-instruct" and r.cfg.task.name == "arith" for r in runs)
+
+
+def test_flatten_mixes_nested_and_dotted_keys():
+    assert flatten({"a": {"b": 1}, "c.d": 2}) == {"a.b": 1, "c.d": 2}
