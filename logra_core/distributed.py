@@ -55,7 +55,8 @@ def local_rows(p: torch.Tensor) -> Optional[slice]:
 
 
 def all_reduce_sum(tensors: Sequence[Optional[torch.Tensor]], group=None,
-                   like: Optional[Sequence[Callable[[], torch.Tensor]]] = None) -> tuple[list[Optional[torch.Tensor]], int]:
+                   like: Optional[Sequence[Callable[[], torch.Tensor]]] = None,
+                   rows: Optional[Sequence[Optional[slice]]] = None) -> tuple[list[Optional[torch.Tensor]], int]:
     """Σ over the ranks of ``group`` of each tensor, as new tensors; returns (sums, bytes all-reduced).
 
     ``tensors[i]`` may be None on some ranks (no backward reached it): it then enters as zeros of
@@ -63,6 +64,10 @@ def all_reduce_sum(tensors: Sequence[Optional[torch.Tensor]], group=None,
     Every rank must pass the same list, in the same order, with the same shapes and dtypes. The
     tensors travel flattened into one buffer per dtype (one collective each); bytes counts the
     buffers' payload on one rank.
+
+    ``rows[i]``, a slice (this rank's rows of a row-sharded weight, :func:`local_rows`): tensor i
+    is reduce-scattered instead — this rank receives the sum of its own rows only, and no rank
+    ever holds the whole summed tensor (the rows go in ⌈m / world⌉ chunks, as FSDP shards them).
     """
     present = torch.tensor([t is not None for t in tensors], dtype=torch.int32)
     if len(tensors):
@@ -79,8 +84,14 @@ def all_reduce_sum(tensors: Sequence[Optional[torch.Tensor]], group=None,
                 raise ValueError(f"tensor {i} is None on this rank but not on another: pass like=")
             t = torch.zeros_like(like[i]())
         filled.append(t)
-        by_dtype.setdefault((t.dtype, t.device), []).append(i)
+        if rows is not None and rows[i] is not None:
+            by_dtype.setdefault(("scatter", t.dtype, t.device), []).append(i)
+        else:
+            by_dtype.setdefault((t.dtype, t.device), []).append(i)
     nbytes = 0
+    for key in [k for k in by_dtype if k[0] == "scatter"]:
+        idx = by_dtype.pop(key)
+        nbytes += _reduce_scatter_rows([filled[i] for i in idx], [rows[i] for i in idx], out, idx, group)
     for (dtype, device), idx in by_dtype.items():
         flat = torch.cat([filled[i].detach().reshape(-1) for i in idx])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
@@ -91,3 +102,27 @@ def all_reduce_sum(tensors: Sequence[Optional[torch.Tensor]], group=None,
             out[i] = flat[offset : offset + n].view_as(filled[i])
             offset += n
     return out, nbytes
+
+
+def _reduce_scatter_rows(tensors, rows, out, idx, group) -> int:
+    """Σ over ranks of each 2-d tensor, this rank's rows only, into ``out[idx[j]]``; returns the bytes
+    of the buffer one rank contributes. Layout: [world, Σ_j chunk_j · cols_j], rank k's block holding
+    rows [k·chunk_j, (k+1)·chunk_j) of every tensor (zero-padded past m_j)."""
+    world = dist.get_world_size(group)
+    blocks = []
+    for t in tensors:
+        m = t.shape[0]
+        chunk = -(-m // world)
+        padded = torch.nn.functional.pad(t.detach().reshape(m, -1), (0, 0, 0, chunk * world - m))
+        blocks.append(padded.reshape(world, -1))
+    buf = torch.cat(blocks, dim=1).contiguous()
+    mine = torch.empty(buf.shape[1], dtype=buf.dtype, device=buf.device)
+    dist.reduce_scatter_tensor(mine, buf.reshape(-1), op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for j, t in enumerate(tensors):
+        m, cols = t.shape[0], t[0].numel() if t.dim() > 1 else 1
+        chunk = -(-m // world)
+        local_rows_j = rows[j].stop - rows[j].start
+        out[idx[j]] = mine[offset : offset + chunk * cols].view(chunk, *t.shape[1:])[:local_rows_j]
+        offset += chunk * cols
+    return buf.numel() * buf.element_size()

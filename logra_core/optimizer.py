@@ -200,8 +200,8 @@ class LoGRA(torch.optim.Optimizer):
         if s is None:  # no backward reached this layer
             return
         rows = local_rows(p)  # W row-sharded (FSDP): S_k, D_k and the update stay on this rank's rows
-        if rows is not None:
-            s = s[rows]
+        if rows is not None and s.shape[0] == p.shape[0] and rows != slice(0, p.shape[0]):
+            s = s[rows]  # a whole sketch (one process, or not reduce-scattered): take this rank's rows
         state = self.state[p]
         if not state:
             state["step"] = 0
@@ -285,13 +285,18 @@ class LoGRA(torch.optim.Optimizer):
     def reduce_gradients(self, group=None) -> int:
         """Sum the step's sketches and the plain tensors' gradients over the data-parallel ranks of
         ``group`` (:mod:`logra_core.distributed`); call once per step, after the last micro-batch.
-        Gradients that are DTensors were reduced by their sharding engine (FSDP) and are skipped.
-        Returns the bytes all-reduced: Σ m·r·4 over sketched weights plus the small dense grads."""
-        states = [m.sketch_state for m in self._unique_modules()]
+        Gradients that are DTensors were reduced by their sharding engine (FSDP) and are skipped;
+        the sketch of a row-sharded weight is reduce-scattered, so each rank keeps the sum of its own
+        rows S_k only. Returns the bytes one rank sent in: Σ m·r·4 over sketched weights (padded to
+        whole row chunks where sharded) plus the small dense grads."""
+        modules = self._unique_modules()
+        states = [m.sketch_state for m in modules]
+        rows = [local_rows(m.weight) if st.mode == "right" else None for m, st in zip(modules, states)]
         grads = [p for g in self.param_groups if g["kind"] == "dense" for p in g["params"] if not isinstance(p, DTensor)]
         sketch_like = [lambda st=st, m=m: self._empty_sketch(m, st) for m, st in zip(self._unique_modules(), states)]
         summed, nbytes = all_reduce_sum([st.sketch for st in states] + [p.grad for p in grads], group,
-                                        like=sketch_like + [lambda p=p: p for p in grads])
+                                        like=sketch_like + [lambda p=p: p for p in grads],
+                                        rows=rows + [None] * len(grads))
         for st, s in zip(states, summed):
             st.sketch = s
         for p, g in zip(grads, summed[len(states):]):

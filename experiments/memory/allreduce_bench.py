@@ -1,7 +1,7 @@
 """Data-parallel gradient traffic: bytes LoGRA all-reduces per step against dense AdamW's (DESIGN §6).
 
     python -m experiments.memory.allreduce_bench [rank=64] [variants="logra;logra logra.embeddings=true"]
-        [tokens=64] [repeats=3] [model=smollm2-135m-instruct] [big_rank=256]
+        [tokens=64] [repeats=3] [model=smollm2-135m-instruct] [big_rank=256 (0: skip the big configs)]
 
 1. Two gloo processes on this machine each load the model, run one real forward/backward on their
    own random tokens, and call ``Method.reduce_gradients`` — the very reduction the trainer runs once
@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
     print("\nfrom shapes (m x r per sketched weight + the other trainable tensors) / every tensor:")
     configs = {f"{bench['model']} r={rank}": (results[0]["config"], rank)}
     big = int(bench["big_rank"])
-    configs.update({f"{name} r={big}": (c, big) for name, c in big_configs().items()})
+    configs.update({f"{name} r={big}": (c, big) for name, c in big_configs().items()} if big > 0 else {})
     for name, (c, r) in configs.items():
         print(f"  {name:<28} default {shape_fraction(c, r, False):.3f}   logra.embeddings=true {shape_fraction(c, r, True):.3f}")
     for r in results[1:]:  # the collective moved exactly what the shapes say
