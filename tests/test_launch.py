@@ -265,3 +265,46 @@ def test_profiles_resolve(profile, tmp_path):
 
 def test_flatten_mixes_nested_and_dotted_keys():
     assert flatten({"a": {"b": 1}, "c.d": 2}) == {"a.b": 1, "c.d": 2}
+
+
+def test_dry_run_prints_the_planners_prediction_per_job(tmp_path, monkeypatch, capsys):
+    """The contract of experiments.memory.planner.plan (issue 7), stood in for by a recording fake."""
+    import sys
+    import types
+
+    seen = []
+
+    class FakePlan:
+        categories = {"params": 2**30, "optimizer": 2**31}
+        total_bytes, capacity_bytes, fits = 3 * 2**30, 80 * 2**30, True
+
+    def plan(model, method, **kw):
+        seen.append((model, method, kw))
+        return FakePlan()
+
+    monkeypatch.setitem(sys.modules, "experiments.memory.planner", types.SimpleNamespace(plan=plan))
+    sweep = write_sweep(tmp_path, {"base": {"model": {"name": "Org/Big-Model", "dtype": "bfloat16"}, "train": {"micro_batch_size": 2}},
+                                   "grid": {"method": ["dense", "logra", "lora"]}, "root": str(tmp_path / "r"),
+                                   "launcher": {"name": "slurm", "gpus_per_node": 8},
+                                   "planner": {"gpu_mem_gb": 80, "seq_len": 512, "models": {"Org/Big-Model": "qwen2.5-7b"}}})
+    assert launch.main([f"sweep={sweep}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("planned 3.0 / 80 GiB per GPU, fits (params 1.0, optimizer 2.0 GiB)") == 3
+    assert [(m, meth) for m, meth, _ in seen] == [("qwen2.5-7b", "dense"), ("qwen2.5-7b", "logra"), ("qwen2.5-7b", "lora")]
+    kw = seen[1][2]
+    assert kw["gpus"] == 8 and kw["micro_batch"] == 2 and kw["seq_len"] == 512 and kw["gpu_mem_gb"] == 80
+    assert kw["dtype"] == "bf16" and kw["rank"] == 64 and seen[2][2]["rank"] == 16  # logra.rank, lora.r defaults
+
+
+def test_a_resumed_run_keeps_its_saved_values_of_keys_outside_the_hash(tmp_path):
+    from experiments.config import to_yaml
+    from experiments.launcher.jobs import resume_overrides
+
+    run = load_sweep(small_sweep(tmp_path, seeds=(0,))).runs()[0]
+    run.run_dir.mkdir(parents=True)
+    saved = build_config(run.overrides + ["log.samples=5", "task.data_dir=/old/data", f"out_dir={run.run_dir}"])
+    (run.run_dir / "config.yaml").write_text(to_yaml(saved))
+    assert config_hash(saved) == run.key  # same run, spelled with other paths and logging
+    keep = resume_overrides(run.run_dir, TrainJob(run.overrides, run.run_dir).args())
+    assert sorted(keep) == ['log.samples=5', 'task.data_dir="/old/data"']
+    assert build_config(run.overrides + keep).log.samples == 5
