@@ -1,0 +1,50 @@
+"""The tensor-accounting memory profiler (issue 7)."""
+
+import pytest
+import torch
+
+from experiments.memory.profiler import MemoryProfiler
+
+
+def _adam_state(opt):
+    return lambda: [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def test_categories_add_up_to_the_peak_and_match_the_model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128))
+    opt = torch.optim.AdamW(m.parameters())
+    prof = MemoryProfiler(m, _adam_state(opt))
+    with prof:
+        for _ in range(2):
+            with prof.phase("fwd_bwd"):
+                m(torch.randn(32, 128)).pow(2).sum().backward()
+            with prof.phase("optimizer"):
+                opt.step()
+                opt.zero_grad()
+    rec = prof.record()
+    cats = [rec[f"mem/{k}_bytes"] for k in ("params", "grads", "optimizer", "activations")]
+    assert sum(cats) == rec["mem/tensor_peak_bytes"] == max(rec["mem/fwd_bwd/peak_bytes"], rec["mem/optimizer/peak_bytes"])
+    n = sum(p.numel() * 4 for p in m.parameters())
+    assert rec["mem/params_bytes"] == n
+    assert rec["mem/optimizer/peak_bytes"] == rec["mem/tensor_peak_bytes"]  # Adam's step is the peak here
+    assert rec["mem/grads_bytes"] == n  # the peak is inside step(): every grad alive
+    assert n * 2 <= rec["mem/optimizer_bytes"] <= n * 2 + 1024  # two moments (+ step counters)
+
+
+def test_freed_tensors_leave_the_count():
+    m = torch.nn.Linear(4, 4)
+    prof = MemoryProfiler(m)
+    with prof:
+        base = prof.current
+        x = torch.empty(1024, 1024)  # 4 MiB
+        assert prof.current == base + 4 * 2**20
+        del x
+        assert prof.current == base
+    assert prof.peak == base + 4 * 2**20
+
+
+def test_unknown_phase_is_an_error():
+    with pytest.raises(ValueError, match="unknown phase"):
+        with MemoryProfiler(torch.nn.Linear(2, 2)).phase("bogus"):
+            pass
