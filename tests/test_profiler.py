@@ -48,3 +48,29 @@ def test_unknown_phase_is_an_error():
     with pytest.raises(ValueError, match="unknown phase"):
         with MemoryProfiler(torch.nn.Linear(2, 2)).phase("bogus"):
             pass
+
+
+def test_memory_table_cli_on_tiny_llama(tmp_path, capsys):
+    """Fresh child per method, categories sum to the peak, logra has no dense projection grads."""
+    import csv
+
+    from experiments.memory_table import main
+
+    assert main([f"out={tmp_path}", "model=tiny-llama", "methods=dense,logra", "seqs=2", "micro_batch=2",
+                 "completion_len=8", "steps=1"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "memory.csv")))
+    assert [r["method"] for r in rows] == ["dense", "logra"]
+    for r in rows:
+        cats = sum(int(r[f"{k}_bytes"]) for k in ("params", "grads", "optimizer", "activations"))
+        assert cats == int(r["peak_bytes"]) and len(r["git_sha"]) >= 7
+    dense, logra = rows
+    assert int(logra["grads_bytes"]) < int(dense["grads_bytes"])  # projections train by sketches
+    assert (tmp_path / "memory.png").is_file() and (tmp_path / "memory.pdf").is_file()
+    assert "logra" in capsys.readouterr().out
+
+
+def test_memory_table_rejects_an_unknown_method(tmp_path):
+    from experiments.memory_table import main
+
+    with pytest.raises(SystemExit, match="unknown method"):
+        main([f"out={tmp_path}", "methods=dense,adam8bit"])

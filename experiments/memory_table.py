@@ -1,0 +1,186 @@
+"""Memory of one GRPO training step per method, each in a fresh process, by category.
+
+    python -m experiments.memory_table [out=results/memory_table] [methods=dense,galore,galore_layerwise,lora,logra]
+        [model=smollm2-135m-instruct] [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [run-config key=value ...]
+
+Every method trains on the same fixed rollout batch (``experiments.memory.step_bench.fixed_rollouts``:
+arith prompts, seeded random completions, fixed advantages) through the trainer's own code
+(``accumulate_gradients`` then the method's ``step``), ``steps`` updates so that optimizer state
+exists. Inside the child the tensor-accounting profiler (``experiments.memory.profiler``) records the
+peak of live tensor bytes and its split into params / grads / optimizer state (moments, sketches,
+projectors, masters) / activations+other; the process's peak RSS is reported beside it. A method
+name may carry overrides after a colon: ``methods="dense,logra:logra.embeddings=true"``.
+Writes ``<out>/memory.csv`` (columns below), ``<out>/memory.png`` and ``.pdf`` (stacked bars), and
+``<out>/memory.json`` (command, git sha, settings); prints the table. ``planner_bytes`` is
+``experiments.memory.planner.plan`` for the same model/method/batch (fp32, one device, no engine).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+COLUMNS = ["method", "model", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+           "peak_rss_bytes", "planner_bytes", "git_sha"]
+KEYS = {"out": "results/memory_table", "methods": "dense,galore,galore_layerwise,lora,logra",
+        "model": "smollm2-135m-instruct", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2"}
+
+
+def optimizer_tensors(method, model) -> list[torch.Tensor]:
+    """Every tensor of the method's optimizer state (and LoGRA sketches held on the modules)."""
+    out: list[torch.Tensor] = []
+
+    def walk(v, depth=0):
+        if torch.is_tensor(v):
+            out.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x, depth)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x, depth)
+        elif depth < 1 and hasattr(v, "__dict__") and not isinstance(v, torch.nn.Module):
+            walk(vars(v), depth + 1)  # e.g. a GaLoreProjector's ortho_matrix
+
+    opts = list(getattr(method, "optimizers", {}).values()) or [method.optimizer]
+    for opt in opts:
+        walk(dict(opt.state))
+    for m in model.modules():
+        state = getattr(m, "sketch_state", None)
+        if state is not None and torch.is_tensor(getattr(state, "sketch", None)):
+            out.append(state.sketch)
+    return out
+
+
+def child(spec: str, args: dict) -> dict:
+    import tempfile
+
+    from experiments.config import build_config
+    from experiments.memory.planner import plan
+    from experiments.memory.profiler import MemoryProfiler
+    from experiments.memory.step_bench import fixed_rollouts
+    from experiments.rl.metrics import peak_rss_bytes
+    from experiments.rl.trainer import GRPOTrainer
+
+    method, _, extra = spec.partition(":")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = build_config([f"method={method}", f"model={args['model']}", f"out_dir={tmp}/run", "log.progress=false",
+                            "eval.every=0", *args["overrides"], *[e for e in extra.split() if e]])
+        trainer = GRPOTrainer(cfg)
+        seqs, mb = int(args["seqs"]), int(args["micro_batch"])
+        rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(args["completion_len"]))
+        advantages, rows = torch.linspace(-1.0, 1.0, seqs), torch.arange(seqs)
+        prof = MemoryProfiler(trainer.model, lambda: optimizer_tensors(trainer.method, trainer.model))
+        with prof:
+            for _ in range(int(args["steps"])):
+                trainer.method.zero_grad()
+                with prof.phase("fwd_bwd"):
+                    trainer.accumulate_gradients(rollouts, advantages, [rows[i: i + mb] for i in range(0, seqs, mb)])
+                with prof.phase("optimizer"):
+                    trainer.method.step()
+        trainer.close()
+        rec = prof.record()
+        seq_len = rollouts.prompt_ids.shape[1] + rollouts.completion_ids.shape[1]
+        section = cfg.get(method) or {}
+        try:
+            p = plan(args["model"], method, micro_batch=mb, seq_len=seq_len, rank=int(section.get("rank", section.get("r", 64))),
+                     dtype="fp32", rollout="none", other_gb=0.0, gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+                     embeddings=bool(section.get("embeddings", False)) if method == "logra" else False)
+            planned = p.total_bytes
+        except ValueError:
+            planned = ""
+    return {"method": spec, "model": args["model"], "peak_bytes": int(rec["mem/tensor_peak_bytes"]),
+            **{f"{k}_bytes": int(rec[f"mem/{k}_bytes"]) for k in ("params", "grads", "optimizer", "activations")},
+            "peak_rss_bytes": peak_rss_bytes(), "planner_bytes": planned,
+            "phases": {k: v for k, v in rec.items() if k.count("/") == 2}}
+
+
+def figure(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
+    bottom = [0.0] * len(rows)
+    for cat in ("params", "grads", "optimizer", "activations"):
+        vals = [r[f"{cat}_bytes"] / 2**20 for r in rows]
+        ax.bar([r["method"] for r in rows], vals, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("MiB at the step's peak (live tensors)")
+    ax.set_title(f"one GRPO step, {rows[0]['model']}")
+    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    for ext in ("png", "pdf"):
+        fig.savefig(out / f"memory.{ext}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return 0
+    child_spec = argv.pop(1) if argv and argv[0] == "--child" else None
+    if child_spec is not None:
+        argv.pop(0)
+    args, overrides = dict(KEYS), []
+    for a in argv:
+        key, eq, value = a.partition("=")
+        if not eq:
+            raise SystemExit(f"expected key=value, got {a!r} (see --help)")
+        if key in KEYS:
+            args[key] = value
+        else:
+            overrides.append(a)  # a run-config override for every method (checked by build_config)
+    args["overrides"] = overrides
+    if child_spec is not None:
+        print("RESULT " + json.dumps(child(child_spec, args)))
+        return 0
+    from baselines import METHODS
+    from experiments.rl.trainer import git_sha
+
+    specs = [m.strip() for m in args["methods"].split(",") if m.strip()]
+    for s in specs:
+        if s.partition(":")[0] not in METHODS:
+            raise SystemExit(f"unknown method {s.partition(':')[0]!r}; known: {', '.join(sorted(METHODS))}")
+    from tqdm import tqdm
+
+    rows, sha = [], git_sha()
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    for spec in tqdm(specs, desc="memory_table", unit="method"):
+        proc = subprocess.run([sys.executable, "-m", "experiments.memory_table", "--child", spec, *argv],
+                              capture_output=True, text=True, env=env)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"{spec}: the child process failed (exit {proc.returncode})")
+        rows.append({**json.loads(lines[-1][7:]), "git_sha": sha})
+    out = Path(args["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "memory.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    (out / "memory.json").write_text(json.dumps({"command": "python -m experiments.memory_table " + " ".join(argv),
+                                                 "git_sha": sha, "settings": args, "rows": rows}, indent=1))
+    figure(rows, out)
+    base = rows[0]["peak_bytes"]
+    mib = 2**20
+    print(f"{'method':<34}{'peak':>8}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'RSS':>8}{'planner':>9}{'/first':>8}  (MiB)")
+    for r in rows:
+        pl = f"{r['planner_bytes'] / mib:>9.1f}" if r["planner_bytes"] != "" else f"{'-':>9}"
+        print(f"{r['method']:<34}{r['peak_bytes'] / mib:>8.1f}{r['params_bytes'] / mib:>8.1f}{r['grads_bytes'] / mib:>8.1f}"
+              f"{r['optimizer_bytes'] / mib:>8.1f}{r['activations_bytes'] / mib:>8.1f}{r['peak_rss_bytes'] / mib:>8.1f}"
+              f"{pl}{r['peak_bytes'] / base:>8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
