@@ -48,6 +48,7 @@ class LogConfig:
     tensorboard: bool = False  # also write TensorBoard event files to <run_dir>/tb
     progress: bool = True  # tqdm progress bar on the terminal
     samples: int = 2  # completions per step written to samples.jsonl (0 = none)
+    memory_profile: bool = False  # tensor-accounting memory profile per step and phase (mem/<phase>/peak_bytes, mem/<category>_bytes; <run_dir>/memory_profile.jsonl); slows a step
 
 
 @dataclass

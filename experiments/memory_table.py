@@ -32,38 +32,12 @@ KEYS = {"out": "results/memory_table", "methods": "dense,galore,galore_layerwise
         "model": "smollm2-135m-instruct", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2"}
 
 
-def optimizer_tensors(method, model) -> list[torch.Tensor]:
-    """Every tensor of the method's optimizer state (and LoGRA sketches held on the modules)."""
-    out: list[torch.Tensor] = []
-
-    def walk(v, depth=0):
-        if torch.is_tensor(v):
-            out.append(v)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x, depth)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x, depth)
-        elif depth < 1 and hasattr(v, "__dict__") and not isinstance(v, torch.nn.Module):
-            walk(vars(v), depth + 1)  # e.g. a GaLoreProjector's ortho_matrix
-
-    opts = list(getattr(method, "optimizers", {}).values()) or [method.optimizer]
-    for opt in opts:
-        walk(dict(opt.state))
-    for m in model.modules():
-        state = getattr(m, "sketch_state", None)
-        if state is not None and torch.is_tensor(getattr(state, "sketch", None)):
-            out.append(state.sketch)
-    return out
-
-
 def child(spec: str, args: dict) -> dict:
     import tempfile
 
     from experiments.config import build_config
     from experiments.memory.planner import plan
-    from experiments.memory.profiler import MemoryProfiler
+    from experiments.memory.profiler import MemoryProfiler, optimizer_tensors
     from experiments.memory.step_bench import fixed_rollouts
     from experiments.rl.metrics import peak_rss_bytes
     from experiments.rl.trainer import GRPOTrainer

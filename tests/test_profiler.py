@@ -74,3 +74,32 @@ def test_memory_table_rejects_an_unknown_method(tmp_path):
 
     with pytest.raises(SystemExit, match="unknown method"):
         main([f"out={tmp_path}", "methods=dense,adam8bit"])
+
+
+@pytest.mark.parametrize("method", ["dense", "logra"])
+def test_trainer_writes_the_profile(tmp_path, method):
+    """log.memory_profile=true: every phase's peak, categories summing to the tensor peak, a profile file."""
+    import json
+
+    from experiments.config import build_config
+    from experiments.rl.metrics import read_metrics
+    from experiments.rl.trainer import GRPOTrainer
+    from tests.conftest import TINY
+    from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
+
+    cfg = build_config([*TINY, f"out_dir={tmp_path / 'r'}", "train.steps=2", f"method={method}", "log.memory_profile=true",
+                        "train.skip_zero_advantage=false"])
+    trainer = GRPOTrainer(cfg)
+    trainer.train()
+    trainer.close()
+    rows = [r for r in read_metrics(tmp_path / "r") if "mem/tensor_peak_bytes" in r]
+    assert len(rows) == 2
+    for r in rows:
+        cats = sum(r[f"mem/{k}_bytes"] for k in ("params", "grads", "optimizer", "activations"))
+        assert cats == r["mem/tensor_peak_bytes"]
+        phases = [k for k in r if k.endswith("/peak_bytes") and k.count("/") == 2]
+        assert {"mem/rollout/peak_bytes", "mem/fwd_bwd/peak_bytes", "mem/optimizer/peak_bytes"} <= set(phases)
+        assert max(r[k] for k in phases) == r["mem/tensor_peak_bytes"]
+        assert r["mem/params_bytes"] == sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    lines = [json.loads(l) for l in open(tmp_path / "r" / "memory_profile.jsonl")]
+    assert [l["step"] for l in lines] == [r["step"] for r in rows] == [1, 2]  # the metrics step numbers

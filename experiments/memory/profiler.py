@@ -119,3 +119,85 @@ class MemoryProfiler(TorchDispatchMode):
         rec.update({f"mem/{k}_bytes": float(v) for k, v in self.peak_split.items()})
         rec["mem/tensor_peak_bytes"] = float(self.peak)
         return rec
+
+
+def optimizer_tensors(method, model) -> list[torch.Tensor]:
+    """Every tensor of the method's optimizer state (and LoGRA sketches held on the modules)."""
+    out: list[torch.Tensor] = []
+
+    def walk(v, depth=0):
+        if torch.is_tensor(v):
+            out.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x, depth)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x, depth)
+        elif depth < 1 and hasattr(v, "__dict__") and not isinstance(v, torch.nn.Module):
+            walk(vars(v), depth + 1)  # e.g. a GaLoreProjector's ortho_matrix
+
+    opts = list(getattr(method, "optimizers", {}).values()) or [method.optimizer]
+    for opt in opts:
+        walk(dict(opt.state))
+    for m in model.modules():
+        state = getattr(m, "sketch_state", None)
+        if state is not None and torch.is_tensor(getattr(state, "sketch", None)):
+            out.append(state.sketch)
+    return out
+
+
+class StepProfiler:
+    """The trainer's handle (``log.memory_profile=true``): a fresh :class:`MemoryProfiler` per step,
+    phases named as in ``PHASES`` (a training step may open several ``step()`` blocks: they
+    merge); on CUDA a phase's peak is also the allocator's
+    (``max_memory_allocated``, reset at the phase's start). ``record()`` gives the step's
+    ``mem/*`` keys; each step is appended to ``<run_dir>/memory_profile.jsonl``. Disabled, every
+    call is a no-op (the default: the accounting slows a step)."""
+
+    def __init__(self, enabled: bool, model, state: Callable[[], Iterable[torch.Tensor]], device, path=None):
+        self.enabled, self.model, self.state, self.device, self.path = enabled, model, state, device, path
+        self.prof: MemoryProfiler | None = None
+        self.cuda_peaks: dict[str, int] = {}
+        self.last: dict[str, float] = {}
+
+    @contextmanager
+    def step(self, index: int = 0):
+        if not self.enabled:
+            yield
+            return
+        self.prof, self.cuda_peaks = MemoryProfiler(self.model, self.state), {}
+        with self.prof:
+            yield
+        rec = self.prof.record()
+        for name, peak in self.cuda_peaks.items():
+            rec[f"mem/{name}/peak_bytes"] = float(peak)  # the allocator's figure on CUDA
+        # several step() blocks in one training step: phases merge, the categories of the larger peak win
+        if rec["mem/tensor_peak_bytes"] < self.last.get("mem/tensor_peak_bytes", -1.0):
+            rec = {k: v for k, v in rec.items() if k.count("/") == 2}
+        self.last.update(rec)
+        self.index = index
+        self.prof = None
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.prof is None:
+            yield
+            return
+        cuda = getattr(self.device, "type", "cpu") == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with self.prof.phase(name):
+            yield
+        if cuda:
+            self.cuda_peaks[name] = max(self.cuda_peaks.get(name, 0), torch.cuda.max_memory_allocated(self.device))
+
+    def record(self) -> dict[str, float]:
+        """The step's ``mem/*`` keys (appended to the profile file), then reset for the next step."""
+        out, self.last = self.last, {}
+        if out and self.path is not None:
+            import json
+
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": getattr(self, "index", 0), **out}) + "\n")
+        return out

@@ -52,6 +52,14 @@ METRICS: dict[str, str] = {
     "time/allreduce_s": "wall time of the step's gradient reduction (Method.reduce_gradients), seconds; only with several processes",
     "mem/peak_bytes": "peak memory: CUDA max allocated in the step, else the process's peak RSS so far",
     "mem/peak_rss_bytes": "the process's peak resident set size so far (ru_maxrss)",
+    # log.memory_profile=true (experiments/memory/profiler.py): live tensor bytes by tensor accounting
+    **{f"mem/{p}/peak_bytes": f"peak of live tensor bytes during the {p} phase of the step (CUDA: the allocator's max_memory_allocated, reset at the phase's start)"
+       for p in ("rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync")},
+    "mem/tensor_peak_bytes": "the step's peak of live tensor bytes (tensor accounting); the four categories below sum to it",
+    "mem/params_bytes": "at the step's tensor peak: the trained model's parameters (an engine's own copy counts under activations/other)",
+    "mem/grads_bytes": "at the step's tensor peak: the parameters' .grad tensors (LoGRA's sketches are optimizer state, not here)",
+    "mem/optimizer_bytes": "at the step's tensor peak: optimizer state (moments, LoGRA sketches and row moments, GaLore projectors, fp32 masters)",
+    "mem/activations_bytes": "at the step's tensor peak: every other live tensor (activations, logits, temporaries, an engine's copy)",
 }
 
 

@@ -30,6 +30,7 @@ from experiments.config import ConfigError, to_yaml
 from experiments.rl import checkpoint as ckpt
 from experiments.rl.distributed import build_strategy
 from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages
+from experiments.memory.profiler import StepProfiler, optimizer_tensors
 from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics, truncate_jsonl
 from experiments.rl.models import load_model
 from experiments.rl.rollout import Rollouts, build_engine
@@ -98,6 +99,8 @@ class GRPOTrainer:
         self.model = self.method.setup(model.to(self.device), wrap=self.dist.wrap)
         self.method = self.dist.attach(self.method)
         self.model.train()
+        self.profiler = StepProfiler(c.log.memory_profile and self.dist.is_main, self.model,  # issue 7, off by default
+                                     lambda: optimizer_tensors(self.method, self.model), self.device, self.run_dir / "memory_profile.jsonl")
         enabled = c.step_control.enabled
         self.step_control = self.method.step_control_default if enabled is None else enabled
         self.ref_model = None
@@ -215,7 +218,7 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         problems = self.dist.shard(self._next_problems(tc.prompts_per_step))  # this rank's whole groups
-        with self.dist.full_weights(self.model):
+        with self.profiler.step(self.step + 1), self.profiler.phase("rollout"), self.dist.full_weights(self.model):
             rollouts = self.dist.generate(self.engine, self._prompts(problems), tc.group_size, self.step)
         t1 = time.perf_counter()
         references = [p.reference for p in problems for _ in range(tc.group_size)]
@@ -233,10 +236,12 @@ class GRPOTrainer:
             "rollout/len_mean": float(lengths.mean()),
             "rollout/truncated_frac": float(every(rollouts.truncated.float()).mean()),
         }
-        record.update(self._optimize(rollouts, advantages, keep))
+        with self.profiler.step(self.step + 1):
+            record.update(self._optimize(rollouts, advantages, keep))
         t3 = time.perf_counter()
         record.update({"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/step_s": t3 - t0})
         record.update(memory_metrics(self.device))
+        record.update(self.profiler.record())
         self._log_samples(problems, rollouts, rewards)
         return record
 
@@ -254,16 +259,20 @@ class GRPOTrainer:
         stats["rollout/trained_tokens"] = trained_tokens
         old = None
         if tc.ppo_epochs > 1:
-            with torch.no_grad():
+            with torch.no_grad(), self.profiler.phase("old_logprobs"):
                 old = [self._logprobs(self.model, rollouts.select(idx)) for idx in micro]
         for epoch in range(tc.ppo_epochs):
             self.method.zero_grad()
-            pass_stats = self.accumulate_gradients(rollouts, advantages, micro, old, real=real)
-            stats.update(self.dist.reduce_gradients(self.method))  # once per update, not per micro-batch
+            with self.profiler.phase("fwd_bwd"):
+                pass_stats = self.accumulate_gradients(rollouts, advantages, micro, old, real=real)
+                stats.update(self.dist.reduce_gradients(self.method))  # once per update, not per micro-batch
             if epoch == 0:
                 stats["kl/sampler_trainer"] = pass_stats.pop("kl/sampler_trainer")
-            stats.update(self._controlled_step(rollouts, rows) if self.step_control else self.method.step())
-            for k, v in self.sync().items():  # the engine follows every applied update
+            with self.profiler.phase("optimizer"):
+                stats.update(self._controlled_step(rollouts, rows) if self.step_control else self.method.step())
+            with self.profiler.phase("sync"):
+                synced = self.sync()
+            for k, v in synced.items():  # the engine follows every applied update
                 stats[k] = stats.get(k, 0.0) + v if k in ("sync/bytes", "time/sync_s", "sync/resyncs") else v
         self.method.zero_grad()
         pass_stats.pop("kl/sampler_trainer", None)
@@ -296,7 +305,8 @@ class GRPOTrainer:
         probe = rows[: -(-sc.probe_seqs // self.dist.world_size)]  # each rank probes its share
         inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
         weight = float(inputs["positions"].sum()) if inputs else 0.0
-        predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk) if inputs else 0.0
+        with self.profiler.phase("kl_predict"):
+            predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk) if inputs else 0.0
         predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
         scale = step_scale(predicted, sc.target_kl)
         if sc.measure_realized and inputs:
