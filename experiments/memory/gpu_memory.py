@@ -1,0 +1,105 @@
+"""Real CUDA peaks of one training step, dense AdamW vs LoGRA, for random-initialized architectures
+in bf16, beside the planner's prediction. Needs a CUDA GPU (not run in this repository's CI).
+
+    python -m experiments.memory.gpu_memory [models=qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b] [methods=dense,logra]
+        [micro_batch=1] [seq_len=1024] [rank=256] [out=results/gpu/memory.csv]
+
+Each (model, method) runs in its own process: build the architecture from the planner's preset with
+random weights in bf16 on the GPU, activation checkpointing on, one forward/backward of a random
+token batch + one optimizer step (torch AdamW for dense: bf16 moments, no master; LoGRA: sketches,
+row moments, fp32 masters), ``torch.cuda.max_memory_allocated`` over the step. The planner is asked
+for the same setting with ``master_weights=False rollout=none other_gb=0`` so both count the same
+things. Writes one CSV row per run with the GPU name.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+KEYS = {"models": "qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b", "methods": "dense,logra", "micro_batch": "1",
+        "seq_len": "1024", "rank": "256", "out": "results/gpu/memory.csv"}
+
+
+def child(model: str, method: str, a: dict) -> dict:
+    import torch
+    import transformers
+
+    from experiments.memory.planner import load_model_config, plan
+
+    if not torch.cuda.is_available():
+        raise SystemExit("experiments.memory.gpu_memory needs a CUDA GPU")
+    dev = torch.device("cuda")
+    _, cfg = load_model_config(model)
+    hf = {k: v for k, v in cfg.items() if k != "source"}
+    arch = transformers.Gemma2Config if model.startswith("gemma") else transformers.Qwen2Config
+    torch.manual_seed(0)
+    with torch.device(dev):
+        net = transformers.AutoModelForCausalLM.from_config(arch(**hf), torch_dtype=torch.bfloat16)
+    net.gradient_checkpointing_enable()
+    net.config.use_cache = False
+    if method == "dense":
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-6)
+    elif method == "logra":
+        from logra_core.optimizer import LoGRA
+
+        opt = LoGRA(net, rank=int(a["rank"]), lr=1e-6)
+    else:
+        raise SystemExit(f"unknown method {method!r} (dense, logra)")
+    mb, sl = int(a["micro_batch"]), int(a["seq_len"])
+    ids = torch.randint(0, cfg["vocab_size"], (mb, sl), device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    for _ in range(2):  # the second step's peak has the optimizer state
+        opt.zero_grad()
+        net(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(dev)
+    p = plan(model, method, micro_batch=mb, seq_len=sl, rank=int(a["rank"]), dtype="bf16", rollout="none",
+             other_gb=0.0, master_weights=False)
+    return {"gpu": torch.cuda.get_device_name(dev), "model": model, "method": method, "micro_batch": mb, "seq_len": sl,
+            "rank": int(a["rank"]), "peak_bytes": peak, "planner_bytes": p.total_bytes,
+            "planner_over_measured": p.total_bytes / peak}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:
+        a = dict(KEYS, **dict(x.split("=", 1) for x in argv[3:]))
+        print("RESULT " + json.dumps(child(argv[1], argv[2], a)))
+        return 0
+    a = dict(KEYS)
+    for x in argv:
+        k, eq, v = x.partition("=")
+        if not eq or k not in KEYS:
+            raise SystemExit(f"unknown argument {x!r}; keys: {', '.join(KEYS)}")
+        a[k] = v
+    rows = []
+    for model in a["models"].split(","):
+        for method in a["methods"].split(","):
+            proc = subprocess.run([sys.executable, "-m", "experiments.memory.gpu_memory", "--child", model, method, *argv],
+                                  capture_output=True, text=True)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                print(f"{model} {method}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
+                continue
+            rows.append(json.loads(lines[-1][7:]))
+            r = rows[-1]
+            print(f"{r['gpu']} {model:<14} {method:<6} measured {r['peak_bytes'] / 2**30:7.2f} GiB  "
+                  f"planner {r['planner_bytes'] / 2**30:7.2f} GiB  ({r['planner_over_measured']:.3f}x)", flush=True)
+    if rows:
+        out = Path(a["out"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", newline="") as f:
+            w = csv.DictWriter(f, list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
