@@ -28,3 +28,23 @@ def toy_train(cfg) -> list[dict]:
     from experiments.launcher.jobs import train_run
 
     return train_run(cfg)
+
+
+def listening_train(cfg) -> list[dict]:
+    """Like the trainer: on SIGUSR1 finish the step, then raise Preempted; here the job gets submitit's signal."""
+    import signal
+
+    from experiments.launcher.jobs import RunPreempted
+    from submitit.core.job_environment import JobEnvironment
+
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    told = []
+    signal.signal(signal.SIGUSR1, lambda s, f: told.append(s))
+    try:
+        os.kill(os.getpid(), JobEnvironment._usr_sig())  # the time limit is near
+        if told:
+            (Path(cfg.out_dir) / "told.txt").write_text("SIGUSR1")
+            raise RunPreempted("checkpointed after SIGUSR1")
+        return [{"step": 0}]
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)

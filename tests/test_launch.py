@@ -190,6 +190,18 @@ def test_a_preempted_run_hands_over_to_submitits_requeue(tmp_path, monkeypatch):
         signal.signal(JobEnvironment._usr_sig(), old)
     assert seen == [JobEnvironment._usr_sig()] and not (run.run_dir / DONE).exists()
 
+    # submitit's time-limit signal reaches a trainer that listens to SIGUSR1; its Preempted then requeues
+    seen.clear()
+    job = TrainJob(run.overrides, run.run_dir, train_fn="tests.launch_fakes:listening_train")
+    old = signal.signal(JobEnvironment._usr_sig(), submitit_handler)
+    try:
+        with pytest.raises(SystemExit):
+            job()
+    finally:
+        signal.signal(JobEnvironment._usr_sig(), old)
+    assert seen == [JobEnvironment._usr_sig()] and not (run.run_dir / DONE).exists()
+    assert (run.run_dir / "told.txt").exists()  # the trainer checkpointed before submitit requeued
+
 
 # ---- local executor: two real tiny-llama runs in their own processes ------------------------------
 def test_local_executor_runs_two_tiny_llama_runs(tmp_path, capsys):

@@ -124,6 +124,8 @@ class TrainJob(submitit.helpers.Checkpointable):
         args += resume_overrides(self.run_dir, args)
         start = time.time()
         requeue = _submitit_requeue_handler()
+        if requeue is not None:  # submitit's time-limit signal goes to the trainer first, if it listens
+            signal.signal(requeue[1], _forward_to_trainer(*requeue))
         try:
             if self.gpus > 1 or self.nodes > 1:
                 self._torchrun(args)
@@ -176,6 +178,22 @@ def _submitit_requeue_handler() -> Optional[tuple]:
     sig = JobEnvironment._usr_sig()
     handler = signal.getsignal(sig)
     return (handler, sig) if callable(handler) else None
+
+
+def _forward_to_trainer(submitit_handler, sig):
+    """A handler for submitit's signal (SIGUSR2: the time limit is near): when the trainer listens to
+    SIGUSR1 it gets the signal, checkpoints at the step boundary and raises ``Preempted`` (then
+    :meth:`TrainJob.__call__` requeues); otherwise submitit checkpoints and requeues at once, and the
+    requeued job resumes from the newest periodic checkpoint."""
+
+    def handler(signum, frame):
+        trainer = signal.getsignal(signal.SIGUSR1)
+        if callable(trainer) and trainer is not handler:
+            trainer(signal.SIGUSR1, frame)
+        else:
+            submitit_handler(signum, frame)
+
+    return handler
 
 
 def write_failure(run_dir: Path, text: str) -> Path:
