@@ -14,6 +14,8 @@ import pandas as pd
 from analysis.render import Absent, colors, legend_right, seed_band
 
 SMOOTH = 5
+MARKERS = "osD^vP*X"
+DASHES = ["-", "--", "-.", ":"]
 
 
 def figure(runs: pd.DataFrame):
@@ -23,7 +25,12 @@ def figure(runs: pd.DataFrame):
     if not any(has.values()):
         raise Absent("no run logged reward/mean or eval/accuracy")
     tasks = sorted(runs["task_label"].unique())
-    color = colors(sorted(runs["variant"].unique()))
+    variants = sorted(runs["variant"].unique())
+    color = colors(variants)
+    # equal curves (e.g. two methods with the same first steps) stay visible: each variant its own
+    # marker and dash, markers shrinking down the list so a later one sits inside an earlier one
+    look = {v: {"marker": MARKERS[i % len(MARKERS)], "linestyle": DASHES[i % len(DASHES)],
+                "markersize": max(3.0, 7.0 - 0.8 * i)} for i, v in enumerate(variants)}
     fig, axes = plt.subplots(len(tasks), 2, figsize=(15, 3.8 * len(tasks) + 0.3), squeeze=False)
     for (ax_r, ax_e), task in zip(axes, tasks):
         of_task = runs[runs["task_label"] == task]
@@ -31,9 +38,10 @@ def figure(runs: pd.DataFrame):
             seeds = frame["run"].nunique()
             label = f"{variant} ({seeds} seeds)" if seeds > 1 else variant
             if has["reward/mean"]:
-                seed_band(ax_r, frame[frame["step"] > 0], "reward/mean", color[variant], label, smooth=SMOOTH)
+                seed_band(ax_r, frame[frame["step"] > 0], "reward/mean", color[variant], label, smooth=SMOOTH,
+                          **look[variant])
             if has["eval/accuracy"]:
-                seed_band(ax_e, frame, "eval/accuracy", color[variant], label, scale=100, marker="o", markersize=4)
+                seed_band(ax_e, frame, "eval/accuracy", color[variant], label, scale=100, **look[variant])
         problems = sorted({int(p) for p in of_task.get("eval/num_problems", pd.Series(dtype=float)).dropna()})
         ax_r.set(xlabel="GRPO step", ylabel=f"mean reward ({SMOOTH}-step moving average)",
                  title=f"{task}: training reward of sampled completions")
@@ -44,6 +52,6 @@ def figure(runs: pd.DataFrame):
                 top = max(ax.get_ylim()[1], least_top)
                 ax.set_ylim(-0.03 * top, top)  # a little room below 0, so a line at 0 is not hidden by the axis
             ax.grid(alpha=0.3)
-        legend_right(ax_e)
+        legend_right(ax_e if has["eval/accuracy"] else ax_r)
     fig.text(0.01, 0.005, "lines: mean over seeds; shaded: ± 1 std over seeds (where > 1 seed)", fontsize=7, color="0.4")
     return fig

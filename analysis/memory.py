@@ -142,7 +142,10 @@ def figure(memory: pd.DataFrame | None, runs: pd.DataFrame):
         for task, rows in run_data.groupby("task_label"):
             n = sorted(set(rows["seeds"]))
             seeds = "" if n == [1] else f" (mean over {n[0]} seeds)" if len(n) == 1 else f" (mean over {n[0]}–{n[-1]} seeds per bar)"
-            panels.append((f"training runs on {task}: largest mem/peak_bytes over the steps{seeds}",
+            split = rows[[f"{c}_bytes" for c in CATEGORIES]].notna().any(axis=None)
+            what = ("largest mem/peak_bytes over the steps" if split else
+                    "largest mem/peak_bytes over the steps (on CPU the process's peak RSS: generation and evaluation included)")
+            panels.append((f"training runs on {task}: {what}{seeds}",
                            "variant", rows))
     except Absent:
         pass
