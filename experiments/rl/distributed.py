@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from experiments.rl.checkpoint import list_checkpoints
+
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -116,6 +118,7 @@ class DataParallel:
     name = "ddp"
     requires_shared_engine = False  # True: rollout engines with their own policy copy are refused
     step_control_ok = True
+    resumable = True  # False: its checkpoints cannot restore the sharded optimizer state
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -144,11 +147,9 @@ class DataParallel:
         if not self.step_control_ok and (method_cls.step_control_default if enabled is None else enabled):
             raise ValueError(f"predicted-KL step control is not supported under dist.strategy={self.name} "
                              "(its forward-mode pass runs through unsharded modules): set step_control.enabled=false")
-        if cfg.resume and not self.resumable:
-            raise ValueError(f"resume=true is not supported under dist.strategy={self.name}: its checkpoints hold the "
-                             "gathered weights but not the sharded optimizer state")
-
-    resumable = True
+        if cfg.resume and not self.resumable and list_checkpoints(Path(cfg.out_dir)):  # a fresh dir just starts
+            raise ValueError(f"resuming {cfg.out_dir} is not supported under dist.strategy={self.name}: its checkpoints "
+                             "hold the gathered weights but not the sharded optimizer state")
 
     # ---- model and method ---------------------------------------------------------------------
     def wrap(self, model: nn.Module, method) -> nn.Module:
