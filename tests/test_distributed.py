@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from experiments.config import build_config
-from experiments.rl.checkpoint import list_checkpoints
+from experiments.rl.checkpoint import list_checkpoints, save_checkpoint
 from experiments.rl.metrics import read_metrics
 from experiments.rl.trainer import GRPOTrainer
 from tests.conftest import REPO, TINY
@@ -130,6 +130,13 @@ def test_refusals(tmp_path):
         fsdp.check(build_config([*BASE, *DENSE, "train.logprob_chunk=256", f"out_dir={tmp_path}"]), METHODS["dense"])
     with pytest.raises(ValueError, match="inside backward"):
         fsdp.check(build_config([*BASE, "method=galore_layerwise", f"out_dir={tmp_path}"]), METHODS["galore_layerwise"])
+    # resume=true (the launcher passes it to every run) starts a fresh run; a run with a checkpoint is refused
+    run = tmp_path / "run"
+    resume = build_config([*BASE, *DENSE, "resume=true", f"out_dir={run}"])
+    fsdp.check(resume, METHODS["dense"])
+    save_checkpoint(run, 1, torch.nn.Linear(2, 2), {}, {"epoch": 0, "cursor": 0})
+    with pytest.raises(ValueError, match="resuming .* not supported"):
+        fsdp.check(resume, METHODS["dense"])
 
 
 def test_allreduce_bench_tiny():
