@@ -1,14 +1,23 @@
 """Checkpoints: model weights (safetensors), method/optimizer state, RNG states, data cursor.
 
 Layout: ``<run_dir>/checkpoints/step_000010/`` with ``model.safetensors``, ``method.pt``,
-``rng.pt`` and ``trainer_state.json``. A checkpoint is written under a temporary name and renamed
-into place, so a crash mid-write leaves no half checkpoint under a real name; all ``.pt`` files
-load with ``torch.load(weights_only=True)``.
+``rng.pt``, ``trainer_state.json`` and, written last, ``manifest.json`` (step, every file with its
+size and SHA-256). Crash safety: everything is written into ``.tmp_step_000010/``, flushed to disk
+(fsync), the manifest last; then the directory is renamed into place, atomically. A directory
+under a real name without a manifest, or a leftover ``.tmp_*``, is therefore incomplete: it is
+reported and ignored (:func:`scan_checkpoints`), and the next save removes leftovers. Loading
+checks every file against the manifest and refuses a mismatch (:class:`CheckpointCorrupt`).
+
+Safe loading: weights are safetensors; every ``.pt`` file loads with ``torch.load(weights_only=True)``
+(no pickle of code: GaLore's projector objects are stored as plain tensors and numbers, see
+``baselines/galore.py``), and only after its checksum matched the manifest the run wrote.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -17,6 +26,12 @@ import torch
 from safetensors.torch import load_model, save_model
 
 PREFIX = "step_"
+TMP = ".tmp_"
+MANIFEST = "manifest.json"
+
+
+class CheckpointCorrupt(RuntimeError):
+    """A checkpoint file does not match its manifest (changed, truncated or missing)."""
 
 
 def rng_state() -> dict:
@@ -33,33 +48,100 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(run_dir: Path, step: int, model, method_state: dict, trainer_state: dict, keep: int = 2) -> Path:
+    """Write ``checkpoints/step_<step>`` crash-safely (module doc); keep the newest ``keep`` (0 = all)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
-    tmp = root / f".tmp_{PREFIX}{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in root.glob(f"{TMP}*"):  # what a crashed write left behind
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f"{TMP}{PREFIX}{step:06d}"
     tmp.mkdir()
     save_model(model, str(tmp / "model.safetensors"))
     torch.save(method_state, tmp / "method.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    files = {}
+    for f in sorted(tmp.iterdir()):
+        _fsync(f)
+        files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    _fsync(tmp / MANIFEST)
+    _fsync(tmp)
+    if final.exists():  # the same step saved again: swap, so a complete one exists at every moment
+        old = root / f"{TMP}old_{final.name}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync(root)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
+def scan_checkpoints(run_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(complete checkpoints, oldest first; incomplete ones: leftover ``.tmp_*`` and dirs without a manifest)."""
     root = Path(run_dir) / "checkpoints"
-    done = [p for p in root.glob(f"{PREFIX}*") if (p / "trainer_state.json").exists()] if root.exists() else []
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+    if not root.exists():
+        return [], []
+    complete, incomplete = [], []
+    for p in root.iterdir():
+        if not p.is_dir():
+            continue
+        if p.name.startswith(TMP):
+            incomplete.append(p)
+        elif p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit():
+            (complete if (p / MANIFEST).is_file() else incomplete).append(p)
+    return sorted(complete, key=lambda p: int(p.name[len(PREFIX):])), sorted(incomplete)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints (with a manifest), oldest first."""
+    return scan_checkpoints(run_dir)[0]
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """The manifest of ``path`` after checking every file it lists; :class:`CheckpointCorrupt` if not."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointCorrupt(f"checkpoint {path}: unreadable {MANIFEST} ({e})") from None
+    for name, meta in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointCorrupt(f"checkpoint {path}: {name} is missing")
+        if f.stat().st_size != meta["bytes"] or sha256(f) != meta["sha256"]:
+            raise CheckpointCorrupt(f"checkpoint {path}: {name} does not match its SHA-256 in {MANIFEST} "
+                                    "(changed or truncated after it was written); refusing to load it. Remove this "
+                                    "checkpoint directory to resume from the previous one.")
+    return manifest
 
 
 def load_checkpoint(path: Path, model) -> tuple[dict, dict]:
-    """Load weights into ``model`` and the RNG states; return (method_state, trainer_state)."""
+    """Verify ``path`` against its manifest, load weights into ``model`` and the RNG states; return
+    (method_state, trainer_state)."""
     path = Path(path)
+    verify_checkpoint(path)
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     if unexpected or missing:
         raise RuntimeError(f"checkpoint {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
