@@ -10,20 +10,36 @@ micro-batches (``backward(loss, last=...)``), with several processes sums them o
 ``reduce_gradients(group)``, then calls ``step()`` once; ``state_dict()`` / ``load_state_dict()`` carry
 everything needed to continue bit for bit. With predicted-KL step control the trainer calls
 ``propose()`` (the update, not applied) and ``apply(update, scale)`` instead of ``step()``.
+Before stepping, the trainer asks ``nonfinite()`` for the first accumulated tensor with a NaN/Inf
+and, if there is one, calls ``discard()`` instead of stepping (``experiments/rl/guard.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable, Optional
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from logra_core.distributed import all_reduce_sum
+from logra_core.distributed import all_reduce_sum, local
 from logra_core.update import Update
 
 METHODS: dict[str, type["Method"]] = {}
+
+
+def first_nonfinite(named: Iterable[tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:
+    """The name of the first tensor holding a NaN or ±Inf, or None; ``None`` tensors are skipped.
+
+    One host synchronisation for all tensors (a DTensor is checked on this rank's shard)."""
+    items = [(n, local(t).detach()) for n, t in named if t is not None]
+    if not items:
+        return None
+    device = items[0][1].device
+    flags = torch.stack([torch.isfinite(t).all().to(device) for _, t in items])
+    if bool(flags.all()):
+        return None
+    return items[int((~flags).nonzero()[0, 0])][0]
 
 
 def register_method(name: str):
@@ -88,6 +104,16 @@ class Method:
         for p, g in zip(params, summed):
             p.grad = g
         return nbytes
+
+    def nonfinite(self) -> str | None:
+        """The name of the first accumulated tensor ``step``/``propose`` would use that holds a NaN or
+        ±Inf, or None. Default: the ``.grad`` of every trainable parameter (this rank's shard)."""
+        return first_nonfinite((f"{n}.grad", p.grad) for n, p in self.model.named_parameters() if p.requires_grad)
+
+    def discard(self) -> None:
+        """Drop the accumulated gradients (sketches) of a skipped update; weights and optimizer
+        state stay as they are. Default: ``zero_grad``."""
+        self.zero_grad()
 
     def step(self) -> dict[str, float]:
         """Apply one update from the accumulated gradients; return metrics (e.g. ``step/grad_norm``)."""

@@ -13,6 +13,10 @@ micro-batch (the trainer says which through :meth:`Method.backward`); the earlie
 gradients are held as usual. The saving therefore shrinks with accumulation — with one micro-batch
 per update it is the paper's; with k micro-batches the full gradients of the first k−1 exist. A
 global gradient-norm clip needs every gradient at once, so the layerwise mode does not clip.
+Non-finite guard (``experiments/rl/guard.py``): a hook never steps a parameter from a gradient with a
+NaN/Inf; from the first such gradient on, the rest of that backward steps nothing, and a non-finite
+loss steps nothing at all. The parameters whose hooks ran before the bad gradient was met have
+stepped, though: the layerwise update cannot be skipped as a whole after the fact.
 
 Ranks are capped at the smaller dimension of each matrix (with a message), so ``rank=256`` works
 on SmolLM2's 192-wide k/v projections. GaLore's projector objects are stored in checkpoints as
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from baselines.base import Method, register_method
+from baselines.base import Method, first_nonfinite, register_method
 from logra_core.sketch import DEFAULT_TARGETS, select_linears
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
@@ -161,26 +165,32 @@ class GaLoreLayerwise(Method):
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self._last = True  # True while the backward of an update's last micro-batch runs
         self._stepped = 0
+        self._bad: str | None = None  # the first non-finite tensor met in this update's last backward
         names = {id(p): n for n, p in model.named_parameters()}
         for group in galore_param_groups(model, self.cfg):
             for p in group["params"]:
                 opt = _adamw([{**group, "params": [p]}], self.cfg)
                 self.optimizers[names[id(p)]] = opt
-                p.register_post_accumulate_grad_hook(self._hook(opt))
+                p.register_post_accumulate_grad_hook(self._hook(opt, names[id(p)]))
         # The trainer's handle: zero_grad / state_dict go through this method, not a single optimizer.
         self.optimizer = next(iter(self.optimizers.values()))
         return self.optimizer
 
-    def _hook(self, opt: torch.optim.Optimizer):
+    def _hook(self, opt: torch.optim.Optimizer, name: str):
         def hook(p: torch.Tensor) -> None:
             if self._last:
-                opt.step()
+                if self._bad is None:
+                    self._bad = first_nonfinite([(f"{name}.grad", p.grad)])
+                if self._bad is None:
+                    opt.step()
+                    self._stepped += 1
                 p.grad = None
-                self._stepped += 1
         return hook
 
     def backward(self, loss: torch.Tensor, last: bool = True) -> None:
         self._last = last
+        if last and self._bad is None and not bool(torch.isfinite(loss.detach()).all()):
+            self._bad = "loss"  # nothing steps
         try:
             loss.backward()
         finally:
@@ -189,6 +199,19 @@ class GaLoreLayerwise(Method):
     def zero_grad(self) -> None:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
+        self._bad = None
+
+    def nonfinite(self) -> str | None:
+        """What the hooks met (their parameters' gradients are gone by now), else the gradients held
+        from earlier micro-batches."""
+        if self._bad is not None:
+            stepped = f"; {self._stepped} parameters had stepped before it" if self._stepped else ""
+            return self._bad + stepped
+        return super().nonfinite()
+
+    def discard(self) -> None:
+        self.zero_grad()
+        self._stepped = 0
 
     def step(self) -> dict[str, float]:
         stepped, self._stepped = self._stepped, 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from baselines.base import Method, register_method
+from baselines.base import Method, first_nonfinite, register_method
 from logra_core.optimizer import LoGRA
 from logra_core.sketch import DEFAULT_TARGETS
 
@@ -60,6 +60,16 @@ class LoGRAMethod(Method):
     def reduce_gradients(self, group=None) -> int:
         """Sketches (m × r per sketched weight) and the small dense gradients, not m × n gradients."""
         return self.optimizer.reduce_gradients(group)
+
+    def nonfinite(self) -> str | None:
+        """First non-finite sketch (m × r, or the dense gradient on an svd refresh step) or small dense gradient."""
+        opt, seen, named = self.optimizer, set(), []
+        for name, m in opt.modules_by_name.items():
+            if id(m.sketch_state) not in seen:  # a tied head shares its embedding's sketch
+                seen.add(id(m.sketch_state))
+                named.append((f"{name} (sketch)", m.sketch_state.sketch))
+        named += [(f"{opt.param_name[id(p)]}.grad", p.grad) for p in self.dense_params]
+        return first_nonfinite(named)
 
     def apply(self, update, scale: float = 1.0) -> None:
         self.optimizer.apply(update, scale)

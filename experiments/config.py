@@ -25,6 +25,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from baselines import METHODS
 from experiments.rl.distributed import DistConfig
 from experiments.rl.grpo import GRPOConfig
+from experiments.rl.guard import GuardConfig
 from experiments.rl.models import ModelConfig
 from experiments.rl.rollout import RolloutConfig
 from experiments.rl.tasks import TaskConfig
@@ -53,8 +54,8 @@ class LogConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 10  # save every N steps (and at the end); 0 = only at the end
-    keep: int = 2  # keep the newest K checkpoints
+    every: int = 10  # save every N steps (and at the end, on SIGTERM/SIGUSR1, and before a NonFiniteError stop); 0 = only then
+    keep: int = 2  # keep the newest K complete checkpoints (with manifest.json and checksums); 0 = all
 
 
 @dataclass
@@ -72,6 +73,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)  # non-finite guard (experiments/rl/guard.py)
     step_control: StepControlConfig = field(default_factory=StepControlConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 

@@ -33,6 +33,7 @@ METRICS: dict[str, str] = {
     "kl/predicted_scaled": "the prediction for the applied update: kl/predicted * step/scale^2",
     "kl/realized": "exact KL(pi_old || pi_new) per probe token of the applied update (step_control.measure_realized)",
     "step/scale": "scale s applied to the proposed update: min(1, sqrt(target_kl / kl/predicted))",
+    "step/skipped": "updates of the step skipped by the non-finite guard (a NaN/Inf in a loss, gradient, sketch or proposed update; experiments/rl/guard.py): 0 or 1 per ppo epoch; the offending tensor is named in <run_dir>/skips.jsonl",
     "step/params_stepped": "parameters stepped inside backward hooks in the update (galore_layerwise)",
     "step/lr": "learning rate of the update",
     "rollout/len_mean": "mean completion length in tokens",
@@ -109,12 +110,21 @@ class MetricsWriter:
             self.tb.close()
 
 
+def _step_of(line: str):
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None  # a line torn by a kill in the middle of its write
+
+
 def truncate_jsonl(path: Path, step: int) -> None:
-    """Keep only the lines of a JSONL file whose ``step`` is at most ``step``."""
+    """Keep only the lines of a JSONL file whose ``step`` is at most ``step`` (and drop torn lines)."""
     path = Path(path)
     if path.exists():
-        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-        path.write_text("".join(l + "\n" for l in keep))
+        keep = [l for l in path.read_text().splitlines() if (s := _step_of(l)) is not None and s <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(l + "\n" for l in keep))
+        tmp.replace(path)
 
 
 def read_metrics(run_dir) -> list[dict]:
