@@ -5,6 +5,9 @@ Examples:
     python -m experiments.train config=arith_dense out_dir=runs/a resume=true
     python -m experiments.train --show method=dense        # print the resolved config and exit
     torchrun --nproc_per_node=2 -m experiments.train method=logra dist.strategy=ddp out_dir=runs/dp   # data-parallel
+
+Exit codes: 0 done; 2 config error; 143 preempted (SIGTERM/SIGUSR1: a checkpoint was written, rerun
+with resume=true, as submitit's requeue does); any other: an error (traceback on stderr).
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     if show:
         print(to_yaml(cfg))
         return 0
-    from experiments.rl.trainer import GRPOTrainer  # heavy imports only after the config is valid
+    from experiments.rl.trainer import PREEMPTED_EXIT, GRPOTrainer, Preempted  # heavy imports only after the config is valid
 
     from experiments.rl.distributed import shutdown
 
     try:
         trainer = GRPOTrainer(cfg)
         metrics = trainer.train()
+    except Preempted as e:
+        print(f"preempted: {e}", flush=True)
+        return PREEMPTED_EXIT
     finally:
         shutdown()  # under torchrun: leave the process group cleanly
     last_eval = [m for m in metrics if "eval/accuracy" in m]

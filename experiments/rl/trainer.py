@@ -9,15 +9,24 @@ their registries and interfaces.
 Old log-probs: with ``ppo_epochs = 1`` the policy that sampled is the one being trained, so
 π_old = π_θ detached from the same forward pass (the ratio is exactly 1 and only its gradient
 matters); with more epochs they come from one extra no-grad pass before the first update.
+
+Fault tolerance (``experiments/rl/guard.py``): an update whose loss, accumulated gradients/sketches
+or (with step control) proposed update holds a NaN/Inf is skipped and logged (``step/skipped``,
+``<run_dir>/skips.jsonl``); ``guard.max_consecutive_skips`` skipped steps in a row stop the run with
+:class:`NonFiniteError` after a checkpoint. SIGTERM/SIGUSR1 during :meth:`GRPOTrainer.train` finish
+the current step, write a checkpoint and raise :class:`Preempted`. An out-of-memory error names its
+phase and the memory planner's estimate. Checkpoints are crash-safe (``experiments/rl/checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import subprocess
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -26,10 +35,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from baselines import METHODS
-from experiments.config import ConfigError, to_yaml
+from experiments.config import ConfigError, schema, to_yaml
 from experiments.rl import checkpoint as ckpt
 from experiments.rl.distributed import build_strategy
 from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages
+from experiments.rl.guard import (PREEMPTED_EXIT, NonFiniteError, Preempted, PreemptionSignals,  # noqa: F401  (re-exported)
+                                  oom_context, planner_estimate, update_nonfinite)
 from experiments.memory.profiler import StepProfiler, optimizer_tensors
 from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics, truncate_jsonl
 from experiments.rl.models import load_model
@@ -42,7 +53,7 @@ from logra_core.step_control import step_scale
 from logra_core.sync import SyncSender, full_bytes
 
 # Keys that may differ between a run and its resumption.
-RESUMABLE_CHANGES = {"resume", "train.steps", "log.progress", "log.tensorboard", "threads"}
+RESUMABLE_CHANGES = {"resume", "train.steps", "log.progress", "log.tensorboard", "threads", "guard.max_consecutive_skips"}
 
 
 def git_sha() -> str:
@@ -53,6 +64,12 @@ def git_sha() -> str:
         return (sha or "unknown") + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _flat(cfg: dict, prefix: str = "") -> dict:
@@ -115,6 +132,9 @@ class GRPOTrainer:
         self.metrics = self.dist.metrics_writer(lambda: MetricsWriter(self.run_dir, tensorboard=c.log.tensorboard))
         self.step = 0
         self.epoch, self.cursor = 0, 0
+        self.consecutive_skips = 0  # steps in a row skipped by the non-finite guard
+        self._skips: list[str] = []  # why this step's updates were skipped
+        self._bad_loss: str | None = None
         if c.resume:
             self._resume()
 
@@ -128,14 +148,17 @@ class GRPOTrainer:
                 raise FileExistsError(f"{self.run_dir} already holds a run: pass resume=true to continue it, or another out_dir")
             old = _flat(OmegaConf.to_container(OmegaConf.load(saved)))
             new = _flat(OmegaConf.to_container(self.cfg_yaml))
-            diff = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)} - RESUMABLE_CHANGES
+            default = _flat(OmegaConf.to_container(schema()))
+            # a key added to the code since the run started is no change while it holds its default
+            diff = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
+                    and not (k not in old and k in default and new.get(k) == default[k])} - RESUMABLE_CHANGES
             if diff:
                 raise ConfigError(f"resume: config differs from the saved run in {sorted(diff)}")
 
     def _record_run(self) -> None:
         """Write the resolved config and meta.json (git sha, versions); a resumption is appended."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg_yaml))
+        _write_atomic(self.run_dir / "config.yaml", to_yaml(self.cfg_yaml))
         now = {"git_sha": git_sha(), "torch": torch.__version__, "transformers": transformers.__version__,
                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         path = self.run_dir / "meta.json"
@@ -144,14 +167,17 @@ class GRPOTrainer:
             meta.setdefault("resumed", []).append(now)
         else:
             meta = {**now, "resumed": []}
-        path.write_text(json.dumps(meta, indent=1))
+        _write_atomic(path, json.dumps(meta, indent=1))
 
     def _resume(self) -> None:
-        found = ckpt.list_checkpoints(self.run_dir)
+        found, incomplete = ckpt.scan_checkpoints(self.run_dir)
+        for p in incomplete if self.dist.is_main else []:
+            print(f"[resume] ignoring incomplete checkpoint {p} (no {ckpt.MANIFEST}: a write that did not finish)")
         if found:
-            method_state, state = ckpt.load_checkpoint(found[-1], self.model)
+            method_state, state = ckpt.load_checkpoint(found[-1], self.model)  # CheckpointCorrupt on a checksum mismatch
             self.method.load_state_dict(method_state)
             self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
+            self.consecutive_skips = state.get("consecutive_skips", 0)
             print(f"[resume] continuing {self.run_dir} from step {self.step}")
         else:
             print(f"[resume] no checkpoint yet in {self.run_dir}: starting at step 0")
@@ -159,9 +185,10 @@ class GRPOTrainer:
         self.metrics.truncate_after(self.step if found else -1)
         if self.dist.is_main:
             truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
+            truncate_jsonl(self.run_dir / "skips.jsonl", self.step)
 
     def save(self) -> None:
-        state = {"epoch": self.epoch, "cursor": self.cursor}
+        state = {"epoch": self.epoch, "cursor": self.cursor, "consecutive_skips": self.consecutive_skips}
         model, method_state = self.dist.checkpoint_state(self.model, self.method)  # gathers shards: every rank
         if self.dist.is_main:
             ckpt.save_checkpoint(self.run_dir, self.step, model, method_state, state, keep=self.cfg.checkpoint.keep)
@@ -185,27 +212,49 @@ class GRPOTrainer:
 
     # ---- the loop -------------------------------------------------------------------------
     def train(self) -> list[dict]:
+        """Run to ``train.steps``; :class:`Preempted` after a checkpoint when SIGTERM/SIGUSR1 came,
+        :class:`NonFiniteError` after a checkpoint when ``guard.max_consecutive_skips`` steps in a row were skipped."""
         c = self.cfg
         try:
-            self.sync(full=True)  # the engine's copy starts equal to the (possibly resumed) policy
-            if self.step == 0 and c.eval.every > 0 and c.eval.at_start:
-                self.metrics.write({"step": 0, **self.evaluate()})
-            bar = tqdm(total=c.train.steps, initial=self.step, desc=f"GRPO {c.method}", disable=not (c.log.progress and self.dist.is_main), dynamic_ncols=True)
-            while self.step < c.train.steps:
-                record = self.train_step()
-                self.step += 1
-                if c.eval.every > 0 and (self.step % c.eval.every == 0 or self.step == c.train.steps):
-                    record.update(self.evaluate())
-                self.metrics.write({"step": self.step, **record})
-                if (c.checkpoint.every > 0 and self.step % c.checkpoint.every == 0) or self.step == c.train.steps:
-                    self.save()
-                shown = {"reward": "reward/mean", "eval_acc": "eval/accuracy", "loss": "loss/policy"}
-                bar.set_postfix({label: f"{record[k]:.3f}" for label, k in shown.items() if k in record})
-                bar.update(1)
-            bar.close()
+            with PreemptionSignals() as signals:
+                self.sync(full=True)  # the engine's copy starts equal to the (possibly resumed) policy
+                if self.step == 0 and c.eval.every > 0 and c.eval.at_start:
+                    self.metrics.write({"step": 0, **self.evaluate()})
+                bar = tqdm(total=c.train.steps, initial=self.step, desc=f"GRPO {c.method}", disable=not (c.log.progress and self.dist.is_main), dynamic_ncols=True)
+                while self.step < c.train.steps:
+                    record = self.train_step()
+                    self.step += 1
+                    self.consecutive_skips = self.consecutive_skips + 1 if record.get("step/skipped") else 0
+                    if c.eval.every > 0 and (self.step % c.eval.every == 0 or self.step == c.train.steps):
+                        record.update(self.evaluate())
+                    self.metrics.write({"step": self.step, **record})
+                    self._checkpoint_or_stop(signals)
+                    shown = {"reward": "reward/mean", "eval_acc": "eval/accuracy", "loss": "loss/policy"}
+                    bar.set_postfix({label: f"{record[k]:.3f}" for label, k in shown.items() if k in record})
+                    bar.update(1)
+                bar.close()
         finally:
             self.close()
         return read_metrics(self.run_dir)
+
+    def _checkpoint_or_stop(self, signals: PreemptionSignals) -> None:
+        """After a step: save when due, then stop with :class:`NonFiniteError` (too many skips in a
+        row) or :class:`Preempted` (a signal reached any rank), each after a checkpoint."""
+        c = self.cfg
+        give_up = 0 < c.guard.max_consecutive_skips <= self.consecutive_skips
+        told = self.dist.all_sum(1.0 if signals.received else 0.0)[0] > 0  # every rank stops together
+        preempted = told and self.step < c.train.steps  # a finished run simply ends
+        if (c.checkpoint.every > 0 and self.step % c.checkpoint.every == 0) or self.step == c.train.steps \
+                or give_up or preempted:
+            self.save()
+        if give_up:
+            raise NonFiniteError(
+                f"{self.consecutive_skips} consecutive steps skipped for non-finite values (last: "
+                f"{'; '.join(self._skips) or 'another rank'}); see {self.run_dir / 'skips.jsonl'}. The checkpoint "
+                f"of step {self.step} holds the weights of the last good update.")
+        if preempted:
+            raise Preempted(f"{signals.received or 'a signal on another rank'}: stopped at step {self.step} "
+                            "after a checkpoint; rerun with resume=true to continue")
 
     def close(self) -> None:
         self.metrics.close()
@@ -218,7 +267,7 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         problems = self.dist.shard(self._next_problems(tc.prompts_per_step))  # this rank's whole groups
-        with self.profiler.step(self.step + 1), self.profiler.phase("rollout"), self.dist.full_weights(self.model):
+        with self.profiler.step(self.step + 1), self._phase("rollout"), self.dist.full_weights(self.model):
             rollouts = self.dist.generate(self.engine, self._prompts(problems), tc.group_size, self.step)
         t1 = time.perf_counter()
         references = [p.reference for p in problems for _ in range(tc.group_size)]
@@ -236,8 +285,10 @@ class GRPOTrainer:
             "rollout/len_mean": float(lengths.mean()),
             "rollout/truncated_frac": float(every(rollouts.truncated.float()).mean()),
         }
+        self._skips = []
         with self.profiler.step(self.step + 1):
             record.update(self._optimize(rollouts, advantages, keep))
+        self._log_skips()
         t3 = time.perf_counter()
         record.update({"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2, "time/step_s": t3 - t0})
         record.update(memory_metrics(self.device))
@@ -250,7 +301,7 @@ class GRPOTrainer:
         tc = self.cfg.train
         rows = keep.nonzero().squeeze(-1)
         trained_seqs, trained_tokens = self.dist.all_sum(len(rows), rollouts.completion_mask[rows].sum())  # over ranks
-        stats = {"rollout/trained_seqs": trained_seqs, "rollout/trained_tokens": 0.0}
+        stats = {"rollout/trained_seqs": trained_seqs, "rollout/trained_tokens": 0.0, "step/skipped": 0.0}
         if trained_seqs == 0:  # every group had equal rewards: no signal, no update
             return {**stats, "loss/policy": 0.0, "clip/fraction": 0.0}
         micro = [rows[i : i + tc.micro_batch_size] for i in range(0, len(rows), tc.micro_batch_size)]
@@ -259,24 +310,59 @@ class GRPOTrainer:
         stats["rollout/trained_tokens"] = trained_tokens
         old = None
         if tc.ppo_epochs > 1:
-            with torch.no_grad(), self.profiler.phase("old_logprobs"):
+            with torch.no_grad(), self._phase("old_logprobs"):
                 old = [self._logprobs(self.model, rollouts.select(idx)) for idx in micro]
         for epoch in range(tc.ppo_epochs):
             self.method.zero_grad()
-            with self.profiler.phase("fwd_bwd"):
+            with self._phase("fwd_bwd"):
                 pass_stats = self.accumulate_gradients(rollouts, advantages, micro, old, real=real)
                 stats.update(self.dist.reduce_gradients(self.method))  # once per update, not per micro-batch
             if epoch == 0:
                 stats["kl/sampler_trainer"] = pass_stats.pop("kl/sampler_trainer")
-            with self.profiler.phase("optimizer"):
-                stats.update(self._controlled_step(rollouts, rows) if self.step_control else self.method.step())
-            with self.profiler.phase("sync"):
+            if self._skip_if_nonfinite(self._bad_loss or self.method.nonfinite()):
+                stats["step/skipped"] += 1.0
+                continue
+            with self._phase("optimizer"):
+                step_stats = self._controlled_step(rollouts, rows) if self.step_control else self.method.step()
+            if step_stats is None:  # the proposed update was not finite: not applied
+                stats["step/skipped"] += 1.0
+                continue
+            stats.update(step_stats)
+            with self._phase("sync"):
                 synced = self.sync()
             for k, v in synced.items():  # the engine follows every applied update
                 stats[k] = stats.get(k, 0.0) + v if k in ("sync/bytes", "time/sync_s", "sync/resyncs") else v
         self.method.zero_grad()
         pass_stats.pop("kl/sampler_trainer", None)
         return {**stats, **pass_stats}
+
+    def _skip_if_nonfinite(self, reason: str | None) -> bool:
+        """Skip this update when any rank found a non-finite tensor (all-reduced, so every rank
+        agrees): drop the accumulated gradients/sketches, note why."""
+        if self.dist.all_sum(1.0 if reason else 0.0)[0] == 0:
+            return False
+        self._skips.append(reason or "a non-finite value on another rank")
+        self.method.discard()
+        return True
+
+    def _log_skips(self) -> None:
+        if not self._skips or not self.dist.is_main:
+            return
+        print(f"[guard] step {self.step + 1}: update skipped, non-finite {'; '.join(self._skips)}", flush=True)
+        with open(self.run_dir / "skips.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.step + 1, "nonfinite": self._skips,
+                                "consecutive": self.consecutive_skips + 1}) + "\n")
+
+    @contextmanager
+    def _phase(self, name: str):
+        """A step phase: profiled (log.memory_profile) and named in an out-of-memory error."""
+        with oom_context(name, self._memory_estimate), self.profiler.phase(name):
+            yield
+
+    def _memory_estimate(self) -> str:
+        config = getattr(self.model, "config", None)
+        return planner_estimate(self.cfg, config.to_dict() if hasattr(config, "to_dict") else None,
+                                self.dist.world_size, self.device)
 
     def sync(self, full: bool = False) -> dict[str, float]:
         """Bring the engine's copy of the policy up to date (DESIGN §3.3): the last step's payload, or
@@ -298,14 +384,17 @@ class GRPOTrainer:
         return {"sync/bytes": float(sent), "sync/full_bytes": float(full_bytes(self.model)),
                 "sync/resyncs": float(resyncs), "time/sync_s": time.perf_counter() - t0}
 
-    def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor) -> dict[str, float]:
-        """Propose the update, predict its KL on a probe of the batch, apply it scaled (DESIGN §3.2)."""
+    def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor) -> dict[str, float] | None:
+        """Propose the update, predict its KL on a probe of the batch, apply it scaled (DESIGN §3.2).
+        None: the update was not finite and is not applied (the optimizer's moments have advanced)."""
         sc = self.cfg.step_control
         update, stats = self.method.propose()
+        if self._skip_if_nonfinite(update_nonfinite(update)):
+            return None
         probe = rows[: -(-sc.probe_seqs // self.dist.world_size)]  # each rank probes its share
         inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
         weight = float(inputs["positions"].sum()) if inputs else 0.0
-        with self.profiler.phase("kl_predict"):
+        with self._phase("kl_predict"):
             predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk) if inputs else 0.0
         predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
         scale = step_scale(predicted, sc.target_kl)
@@ -333,6 +422,7 @@ class GRPOTrainer:
         real = len(micro) if real is None else real
         num_tokens = self.dist.all_sum(sum(rollouts.completion_mask[idx].sum() for idx in micro[:real]))[0]
         loss_sum, clipped, kl_sum, sampler_diff = 0.0, 0.0, 0.0, 0.0
+        self._bad_loss = None  # the first micro-batch whose loss is not finite (the guard skips the update)
         for k, idx in enumerate(micro):
             mb = rollouts.select(idx)
             logprobs = self._logprobs(self.model, mb)
@@ -349,7 +439,10 @@ class GRPOTrainer:
             if k >= real:
                 loss, s, mask = loss * 0.0, {}, mask * 0
             self.method.backward(loss, last=k == len(micro) - 1)
-            loss_sum += float(loss.detach())
+            loss_value = float(loss.detach())
+            if self._bad_loss is None and not math.isfinite(loss_value):
+                self._bad_loss = f"loss (micro-batch {k})"
+            loss_sum += loss_value
             clipped += s.get("clipped_tokens", 0.0)
             kl_sum += s.get("kl_sum", 0.0)
             sampler_diff += float(((mb.sampler_logprobs.to(self.device) - old_lp) * mask).sum())
@@ -372,7 +465,8 @@ class GRPOTrainer:
         t0 = time.perf_counter()
         correct, lengths = [], []
         problems, real = self.dist.shard_padded(self.test_problems)  # every rank evaluates its share
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.dist.full_weights(self.model):
+        with oom_context("eval", self._memory_estimate), \
+                torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.dist.full_weights(self.model):
             for i in tqdm(range(0, len(problems), c.eval.batch_size), desc="eval", leave=False, disable=not c.log.progress):
                 batch = problems[i : i + c.eval.batch_size]
                 out = self.engine.generate(self._prompts(batch), n=1, greedy=True, max_new_tokens=c.eval.max_new_tokens)
