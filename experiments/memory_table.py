@@ -1,18 +1,25 @@
 """Memory of one GRPO training step per method, each in a fresh process, by category.
 
     python -m experiments.memory_table [out=results/memory_table] [methods=dense,galore,galore_layerwise,lora,logra]
-        [model=smollm2-135m-instruct] [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [run-config key=value ...]
+        [model=smollm2-135m-instruct] [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [trace=0]
+        [run-config key=value ...]
 
 Every method trains on the same fixed rollout batch (``experiments.memory.step_bench.fixed_rollouts``:
 arith prompts, seeded random completions, fixed advantages) through the trainer's own code
 (``accumulate_gradients`` then the method's ``step``), ``steps`` updates so that optimizer state
 exists. Inside the child the tensor-accounting profiler (``experiments.memory.profiler``) records the
-peak of live tensor bytes and its split into params / grads / optimizer state (moments, sketches,
-projectors, masters) / activations+other; the process's peak RSS is reported beside it. A method
-name may carry overrides after a colon: ``methods="dense,logra:logra.embeddings=true"``.
+peak of live tensor bytes, the phase it happened in, and its split into params / grads / optimizer
+state (moments, sketches, projectors, masters) / activations+other; the process's peak RSS is
+reported beside it. A method name may carry overrides after a colon:
+``methods="dense,logra:logra.embeddings=true"``. ``trace=1`` also writes ``<out>/trace_<method>.txt``:
+every storage alive at the peak, grouped by the op that made it and its shape.
+
 Writes ``<out>/memory.csv`` (columns below), ``<out>/memory.png`` and ``.pdf`` (stacked bars), and
-``<out>/memory.json`` (command, git sha, settings); prints the table. ``planner_bytes`` is
-``experiments.memory.planner.plan`` for the same model/method/batch (fp32, one device, no engine).
+``<out>/memory.json`` (command, git sha, settings, per-phase peaks); prints the table.
+``planner_bytes`` is ``experiments.memory.planner.plan`` asked for the same model, method, dtype and
+shapes (micro-batch, prompt + completion length, completion length, micro-batches per update, LM-head
+chunk, checkpointing; one device, no engine, no CUDA slack); ``planner_ratio`` = planner / profiled
+peak, ``planner_peak_at`` the planner's candidate peak.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ from pathlib import Path
 import torch
 
 COLUMNS = ["method", "model", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-           "peak_rss_bytes", "planner_bytes", "git_sha"]
+           "peak_rss_bytes", "planner_bytes", "planner_ratio", "planner_peak_at", "peak_phase", "seq_len", "git_sha"]
 KEYS = {"out": "results/memory_table", "methods": "dense,galore,galore_layerwise,lora,logra",
-        "model": "smollm2-135m-instruct", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2"}
+        "model": "smollm2-135m-instruct", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2", "trace": "0"}
 
 
 def child(spec: str, args: dict) -> dict:
@@ -50,7 +57,8 @@ def child(spec: str, args: dict) -> dict:
         seqs, mb = int(args["seqs"]), int(args["micro_batch"])
         rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(args["completion_len"]))
         advantages, rows = torch.linspace(-1.0, 1.0, seqs), torch.arange(seqs)
-        prof = MemoryProfiler(trainer.model, lambda: optimizer_tensors(trainer.method, trainer.model))
+        prof = MemoryProfiler(trainer.model, lambda: optimizer_tensors(trainer.method, trainer.model),
+                              trace=args["trace"] not in ("0", "false", ""))
         with prof:
             for _ in range(int(args["steps"])):
                 trainer.method.zero_grad()
@@ -60,19 +68,41 @@ def child(spec: str, args: dict) -> dict:
                     trainer.method.step()
         trainer.close()
         rec = prof.record()
+        if prof.trace:
+            _write_trace(prof, Path(args["out"]) / f"trace_{spec.replace(':', '_').replace('=', '_')}.txt")
         seq_len = rollouts.prompt_ids.shape[1] + rollouts.completion_ids.shape[1]
         section = cfg.get(method) or {}
         try:
-            p = plan(args["model"], method, micro_batch=mb, seq_len=seq_len, rank=int(section.get("rank", section.get("r", 64))),
-                     dtype="fp32", rollout="none", other_gb=0.0, gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+            p = plan(args["model"], method, micro_batch=mb, seq_len=seq_len, completion_len=rollouts.completion_ids.shape[1],
+                     micro_batches=-(-seqs // mb), rank=int(section.get("rank", section.get("r", 64))),
+                     dtype={"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype], rollout="none",
+                     other_gb=0.0, gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+                     logprob_chunk=int(cfg.train.logprob_chunk), master_weights=False,
+                     padded=bool((rollouts.prompt_mask == 0).any()),
                      embeddings=bool(section.get("embeddings", False)) if method == "logra" else False)
-            planned = p.total_bytes
+            planned, planned_at = p.total_bytes, p.peak_at
         except ValueError:
-            planned = ""
+            planned, planned_at = "", ""
     return {"method": spec, "model": args["model"], "peak_bytes": int(rec["mem/tensor_peak_bytes"]),
             **{f"{k}_bytes": int(rec[f"mem/{k}_bytes"]) for k in ("params", "grads", "optimizer", "activations")},
             "peak_rss_bytes": peak_rss_bytes(), "planner_bytes": planned,
+            "planner_ratio": round(planned / rec["mem/tensor_peak_bytes"], 4) if planned != "" else "", "planner_peak_at": planned_at,
+            "seq_len": seq_len, "peak_phase": prof.peak_phase,
             "phases": {k: v for k, v in rec.items() if k.count("/") == 2}}
+
+
+def _write_trace(prof, path: Path) -> None:
+    """The live storages at the peak, grouped by (category, creating op, shape, dtype), largest first."""
+    from collections import Counter
+
+    groups, nbytes = Counter(), Counter()
+    for cat, op, shape, dtype, n in prof.peak_tensors:
+        groups[(cat, op, shape, dtype)] += 1
+        nbytes[(cat, op, shape, dtype)] += n
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"peak {prof.peak} bytes in phase {getattr(prof, 'peak_phase', None)}; split {prof.peak_split}"]
+    lines += [f"{nbytes[k]:>12} {groups[k]:>5}x {k[0]:<11} {k[1]:<40} {k[2]} {k[3]}" for k in sorted(nbytes, key=lambda k: -nbytes[k])]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def figure(rows: list[dict], out: Path) -> None:
@@ -147,9 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     figure(rows, out)
     base = rows[0]["peak_bytes"]
     mib = 2**20
-    print(f"{'method':<34}{'peak':>8}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'RSS':>8}{'planner':>9}{'/first':>8}  (MiB)")
+    print(f"{'method':<34}{'peak':>8}{'params':>8}{'grads':>8}{'optim':>8}{'activ':>8}{'RSS':>8}{'planner':>9}"
+          f"{'pl/meas':>8}{'/first':>8}  (MiB)")
     for r in rows:
-        pl = f"{r['planner_bytes'] / mib:>9.1f}" if r["planner_bytes"] != "" else f"{'-':>9}"
+        pl = f"{r['planner_bytes'] / mib:>9.1f}{r['planner_ratio']:>8.3f}" if r["planner_bytes"] != "" else f"{'-':>9}{'-':>8}"
         print(f"{r['method']:<34}{r['peak_bytes'] / mib:>8.1f}{r['params_bytes'] / mib:>8.1f}{r['grads_bytes'] / mib:>8.1f}"
               f"{r['optimizer_bytes'] / mib:>8.1f}{r['activations_bytes'] / mib:>8.1f}{r['peak_rss_bytes'] / mib:>8.1f}"
               f"{pl}{r['peak_bytes'] / base:>8.3f}")

@@ -1,9 +1,12 @@
 """Does it fit? ``python -m experiments.plan model=<preset|HF name|config.json> method=<...> [gpus=8]
 [gpu_mem_gb=80] [micro_batch=1] [seq_len=1024] [rank=256] [sharding=none|fsdp|zero2|zero3]
-[rollout=colocated|none|<share>] [dtype=bf16] [any planner option=...]``
+[rollout=colocated|none|<share>] [dtype=bf16] [completion_len=...] [micro_batches=2] [logprob_chunk=256]
+[gradient_checkpointing=true] [master_weights=true|false] [embeddings=false] [padded=true] [attention=sdpa|eager]
+[rollout_share=0.3] [other_gb=1.0]``
 
-Prints the predicted per-GPU bytes by category, the verdict and the assumptions
-(experiments/memory/planner.py). ``method=dense,logra`` plans several methods; ``--list`` shows the presets.
+Prints the predicted per-GPU bytes by category, where the peak is (and the other candidate peaks),
+every term alive there with its assumption, and the verdict (experiments/memory/planner.py).
+``method=dense,logra`` plans several methods; ``--list`` shows the presets.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ import sys
 
 from experiments.memory.planner import plan, presets
 
-INTS = {"gpus", "micro_batch", "seq_len", "rank", "logits_chunk"}
+INTS = {"gpus", "micro_batch", "seq_len", "rank", "logprob_chunk", "completion_len", "micro_batches"}
 FLOATS = {"gpu_mem_gb", "rollout_share", "other_gb"}
-BOOLS = {"gradient_checkpointing", "master_weights", "embeddings"}
+BOOLS = {"gradient_checkpointing", "master_weights", "embeddings", "padded"}
 
 
 def parse(argv: list[str]) -> dict:

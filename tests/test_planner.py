@@ -18,7 +18,7 @@ def test_parameter_count_matches_the_instantiated_model(name):
     import transformers
 
     _, cfg = planner.load_model_config(name)
-    keys = {k: v for k, v in cfg.items() if k != "source"}
+    keys = {k: v for k, v in cfg.items() if k not in ("source", "model_type")}
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**keys)) if name == "tiny-llama" else None
     if model is None:  # SmolLM2-135M: 134,515,008 parameters (HF model card / config)
         assert planner.shapes(cfg).total == 134_515_008
@@ -55,3 +55,61 @@ def test_cli_smoke(capsys):
     assert out.count("assumptions:") == 2 and "fits" in out
     with pytest.raises(SystemExit, match="unknown sharding"):
         main(["model=qwen2.5-0.5b", "method=dense", "sharding=bad"])
+
+
+# ---- the planner against the profiler: one GRPO step per method on tiny-llama --------------------------
+TINY_SPECS = ["dense", "galore", "galore_layerwise", "lora", "logra", "logra:logra.embeddings=true"]
+
+
+@pytest.mark.parametrize("spec", TINY_SPECS)
+def test_planner_within_10_percent_of_the_profiled_peak_on_tiny_llama(spec, tmp_path):
+    """memory_table's child in this process: the fixed rollout batch (8 sequences, micro-batch 4,
+    128 completion tokens), two updates under the tensor-accounting profiler, and the planner asked
+    for the same shapes. The planner only sees the config and the batch shapes."""
+    from experiments.memory_table import KEYS, child
+
+    row = child(spec, {**KEYS, "model": "tiny-llama", "out": str(tmp_path), "overrides": []})
+    ratio = row["planner_bytes"] / row["peak_bytes"]
+    assert abs(ratio - 1) <= 0.10, (f"{spec}: planner {row['planner_bytes'] / 2**20:.1f} MiB "
+                                    f"({row['planner_peak_at']}) vs profiled {row['peak_bytes'] / 2**20:.1f} MiB "
+                                    f"({row['peak_phase']}): ratio {ratio:.3f}")
+
+
+def test_the_planner_check_can_fail():
+    """The comparison above discriminates: leaving out the chunked head's buffers or the earlier
+    micro-batches' gradients moves tiny-llama's dense prediction by more than 10 %."""
+    kw = dict(micro_batch=4, seq_len=160, completion_len=128, micro_batches=2, rank=64, dtype="fp32", rollout="none",
+              other_gb=0.0, gradient_checkpointing=False)
+    base = plan("tiny-llama", "dense", logprob_chunk=256, **kw).total_bytes
+    assert abs(plan("tiny-llama", "dense", logprob_chunk=0, **kw).total_bytes / base - 1) > 0.10
+    assert abs(plan("tiny-llama", "dense", logprob_chunk=64, **kw).total_bytes / base - 1) > 0.10
+
+
+# ---- experiments.memory.gpu_memory ---------------------------------------------------------------------
+def test_gpu_memory_csv_and_summary(tmp_path):
+    """The CPU-checkable part: rows -> CSV with the GPU name, the printed comparison."""
+    import csv
+
+    from experiments.memory.gpu_memory import summary, write_csv
+
+    rows = [{"gpu": "NVIDIA X", "model": "qwen2.5-0.5b", "method": m, "micro_batch": 1, "seq_len": 1024, "rank": 256,
+             "peak_bytes": 2**30 * (10 - i), "planner_bytes": 2**30 * 9, "planner_peak_at": "backward",
+             "planner_over_measured": 9 / (10 - i)} for i, m in enumerate(["dense", "logra"])]
+    out = write_csv(rows, tmp_path / "gpu" / "memory.csv")
+    back = list(csv.DictReader(open(out)))
+    assert [r["method"] for r in back] == ["dense", "logra"] and back[0]["gpu"] == "NVIDIA X"
+    assert "measured   10.00 GiB" in summary(rows[0]) and "(0.900x)" in summary(rows[0])
+
+
+def test_gpu_memory_on_cuda(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: experiments.memory.gpu_memory measures the CUDA allocator's peak")
+    import csv
+
+    from experiments.memory.gpu_memory import main as gpu_main
+
+    out = tmp_path / "memory.csv"
+    assert gpu_main(["models=qwen2.5-0.5b", "methods=dense,logra", "seq_len=256", f"out={out}"]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert len(rows) == 2 and all(float(r["peak_bytes"]) > 0 for r in rows)

@@ -34,12 +34,12 @@ def child(model: str, method: str, a: dict) -> dict:
         raise SystemExit("experiments.memory.gpu_memory needs a CUDA GPU")
     dev = torch.device("cuda")
     _, cfg = load_model_config(model)
-    hf = {k: v for k, v in cfg.items() if k != "source"}
+    hf = {k: v for k, v in cfg.items() if k not in ("source", "model_type")}
     arch = transformers.Gemma2Config if model.startswith("gemma") else transformers.Qwen2Config
     torch.manual_seed(0)
     with torch.device(dev):
-        net = transformers.AutoModelForCausalLM.from_config(arch(**hf), torch_dtype=torch.bfloat16)
-    net.gradient_checkpointing_enable()
+        net = transformers.AutoModelForCausalLM.from_config(arch(**hf), dtype=torch.bfloat16)
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as the harness
     net.config.use_cache = False
     if method == "dense":
         opt = torch.optim.AdamW(net.parameters(), lr=1e-6)
@@ -59,11 +59,30 @@ def child(model: str, method: str, a: dict) -> dict:
         opt.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(dev)
-    p = plan(model, method, micro_batch=mb, seq_len=sl, rank=int(a["rank"]), dtype="bf16", rollout="none",
-             other_gb=0.0, master_weights=False)
+    # the HF loss (labels=ids): full logits over every position, one micro-batch per update, torch AdamW
+    # on bf16 weights (bf16 moments, no master)
+    p = plan(model, method, micro_batch=mb, seq_len=sl, completion_len=sl, micro_batches=1, logprob_chunk=0,
+             rank=int(a["rank"]), dtype="bf16", rollout="none", other_gb=0.0, master_weights=False,
+             gradient_checkpointing=True)
     return {"gpu": torch.cuda.get_device_name(dev), "model": model, "method": method, "micro_batch": mb, "seq_len": sl,
-            "rank": int(a["rank"]), "peak_bytes": peak, "planner_bytes": p.total_bytes,
+            "rank": int(a["rank"]), "peak_bytes": peak, "planner_bytes": p.total_bytes, "planner_peak_at": p.peak_at,
             "planner_over_measured": p.total_bytes / peak}
+
+
+def write_csv(rows: list[dict], out) -> Path:
+    """One row per (model, method) run, the columns of the first row (gpu, model, method, ..., planner_over_measured)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return out
+
+
+def summary(r: dict) -> str:
+    return (f"{r['gpu']} {r['model']:<14} {r['method']:<6} measured {r['peak_bytes'] / 2**30:7.2f} GiB  "
+            f"planner {r['planner_bytes'] / 2**30:7.2f} GiB  ({r['planner_over_measured']:.3f}x)")
 
 
 def main(argv=None) -> int:
@@ -88,16 +107,9 @@ def main(argv=None) -> int:
                 print(f"{model} {method}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
                 continue
             rows.append(json.loads(lines[-1][7:]))
-            r = rows[-1]
-            print(f"{r['gpu']} {model:<14} {method:<6} measured {r['peak_bytes'] / 2**30:7.2f} GiB  "
-                  f"planner {r['planner_bytes'] / 2**30:7.2f} GiB  ({r['planner_over_measured']:.3f}x)", flush=True)
+            print(summary(rows[-1]), flush=True)
     if rows:
-        out = Path(a["out"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", newline="") as f:
-            w = csv.DictWriter(f, list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(rows, a["out"])
     return 0 if rows else 1
 
 

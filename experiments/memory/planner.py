@@ -5,18 +5,35 @@
     print(p.table())
 
 ``model`` is a preset name (``experiments/memory/presets/<name>.json``: shapes copied from the public
-HF ``config.json``; no weights), an HF config name or local path (read with ``AutoConfig``), or a
-config dict with the same keys. The arithmetic is from shapes only; every assumption it makes is
-listed in ``Plan.assumptions`` and printed by ``table()``.
+HF ``config.json``, source noted in each file; no weights), an HF config name or local path (read with
+``AutoConfig``), or a config dict with the same keys.
 
-Status: the parameter, gradient and optimizer-state terms follow the methods' code
-(``baselines/``, ``logra_core/optimizer.py``); the activation term is a first-order formula that has
-NOT yet been calibrated against the profiler (issue 7 leaves that open).
+How it predicts: from the config's shapes alone it lists the tensors that are alive at each candidate
+peak of a training step and takes the largest —
+
+* ``backward``: the start of the last micro-batch's backward, in the LM head: every activation the
+  forward saved for backward (per decoder layer, derived from what each op of the HF Llama/Qwen2
+  layer saves: norms, q/k/v, SDPA, MLP), the head's chunked-log-prob buffers, the head's fp32
+  weight gradient and the hidden-state gradient; beside the parameters, the optimizer state and the
+  gradients (or sketches) of the earlier micro-batches;
+* ``recompute`` (activation checkpointing only): one layer recomputed inside backward;
+* ``backward_end`` (one micro-batch per update only): every gradient just formed;
+* ``optimizer``: the step, with the method's own temporaries.
+
+Each term carries its assumption; ``Plan.table()`` prints them, the candidates and which one won.
+The terms follow the code paths of this repository (``experiments/rl/grpo.py``,
+``logra_core/chunked_head.py``, ``logra_core/sketch.py``, ``baselines/``) and were checked against
+the tensor-accounting profiler (``experiments/memory/profiler.py``, ``python -m
+experiments.memory_table``): within 10 % for every method on tiny-llama (``tests/test_planner.py``)
+and SmolLM2-135M (``results/memory_table/``), fp32 on CPU. Settings those checks do not cover
+(bf16, CUDA kernels, FSDP gathers, eager attention, the full-logits head) are marked UNCHECKED in
+the printed assumptions.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +43,8 @@ SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
 CATEGORIES = ("params", "grads", "optimizer", "activations", "rollout", "other")
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+OPTIONS = {"gradient_checkpointing", "master_weights", "rollout_share", "embeddings", "logprob_chunk",
+           "completion_len", "micro_batches", "attention", "padded", "other_gb"}
 
 
 def presets() -> list[str]:
@@ -71,6 +90,8 @@ class Shapes:
     kv_heads: int
     head_dim: int
     inter: int
+    gemma: bool = False
+    softcap: float | None = None
 
     @property
     def n_proj(self) -> int:
@@ -84,6 +105,14 @@ class Shapes:
     def total(self) -> int:
         return self.n_proj + self.n_rest
 
+    @property
+    def tied(self) -> bool:
+        return self.head == 0
+
+    @property
+    def layer_params(self) -> int:
+        return (self.n_proj + self.biases) // self.layers + (self.norms - self.hidden) // self.layers
+
 
 def shapes(cfg: dict) -> Shapes:
     h, L, V = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
@@ -93,24 +122,42 @@ def shapes(cfg: dict) -> Shapes:
     ff = cfg["intermediate_size"]
     layer = [(nh * hd, h), (kv * hd, h), (kv * hd, h), (h, nh * hd), (ff, h), (ff, h), (h, ff)]
     bias = (nh * hd + 2 * kv * hd) if cfg.get("attention_bias") else 0
-    norms_per_layer = 4 if "gemma" in str(cfg.get("model_type", "")) or cfg.get("source", "").startswith("google/gemma") else 2
+    gemma = "gemma" in str(cfg.get("model_type", "")) or str(cfg.get("source", "")).startswith("google/gemma")
     tied = cfg.get("tie_word_embeddings", True)
-    return Shapes(proj=layer * L, embed=V * h, head=0 if tied else V * h, norms=L * norms_per_layer * h + h,
-                  biases=L * bias, hidden=h, layers=L, vocab=V, heads=nh, kv_heads=kv, head_dim=hd, inter=ff)
+    return Shapes(proj=layer * L, embed=V * h, head=0 if tied else V * h, norms=L * (4 if gemma else 2) * h + h,
+                  biases=L * bias, hidden=h, layers=L, vocab=V, heads=nh, kv_heads=kv, head_dim=hd, inter=ff,
+                  gemma=gemma, softcap=cfg.get("final_logit_softcapping"))
+
+
+@dataclass
+class Term:
+    category: str
+    name: str
+    nbytes: int
+    note: str = ""
 
 
 @dataclass
 class Plan:
     model: str
     method: str
-    categories: dict[str, int]
+    terms: list[Term]  # what is alive at the predicted peak
     capacity_bytes: int
     assumptions: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
+    candidates: dict[str, int] = field(default_factory=dict)  # candidate peak -> bytes
+    peak_at: str = ""
+
+    @property
+    def categories(self) -> dict[str, int]:
+        out = {c: 0 for c in CATEGORIES}
+        for t in self.terms:
+            out[t.category] += int(t.nbytes)
+        return out
 
     @property
     def total_bytes(self) -> int:
-        return int(sum(self.categories.values()))
+        return int(sum(t.nbytes for t in self.terms))
 
     @property
     def fits(self) -> bool:
@@ -118,26 +165,43 @@ class Plan:
 
     def table(self) -> str:
         gib = 2**30
+        unit, scale = ("GiB", gib) if self.total_bytes >= gib else ("MiB", 2**20)
         s = ", ".join(f"{k}={v}" for k, v in self.settings.items())
-        lines = [f"{self.model} / {self.method}: {s}", f"  {'category':<12} {'GiB per GPU':>12}"]
-        lines += [f"  {k:<12} {v / gib:>12.2f}" for k, v in self.categories.items()]
-        lines.append(f"  {'total':<12} {self.total_bytes / gib:>12.2f}  of {self.capacity_bytes / gib:.1f} GiB -> "
+        lines = [f"{self.model} / {self.method}: {s}", f"  {'category':<12} {unit + ' per GPU':>12}"]
+        lines += [f"  {k:<12} {v / scale:>12.2f}" for k, v in self.categories.items()]
+        lines.append(f"  {'total':<12} {self.total_bytes / scale:>12.2f}  of {self.capacity_bytes / gib:.1f} GiB -> "
                      + ("fits" if self.fits else "DOES NOT FIT"))
+        lines.append(f"  peak at: {self.peak_at} (candidates: "
+                     + ", ".join(f"{k} {v / scale:.2f}" for k, v in self.candidates.items()) + f" {unit})")
+        lines.append("  terms at the peak:")
+        lines += [f"    {t.category:<11} {t.nbytes / scale:>10.2f} {unit}  {t.name}" + (f": {t.note}" if t.note else "")
+                  for t in self.terms if t.nbytes]
         lines.append("  assumptions:")
         lines += [f"    - {a}" for a in self.assumptions]
         return "\n".join(lines)
 
 
+def _int(x) -> int:
+    return int(math.ceil(x))
+
+
 def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024, rank=256, sharding="none",
          rollout="colocated", dtype="bf16", **opts) -> Plan:
-    """Predicted per-GPU bytes by category (see the module docstring).
+    """Predicted per-GPU bytes by category at the step's peak (see the module docstring).
 
-    opts: ``gradient_checkpointing`` (default True), ``master_weights`` (default: True for bf16/fp16
-    dense/galore/lora AdamW, i.e. fp32 master + fp32 moments; the harness' plain torch AdamW on bf16
-    weights keeps bf16 moments and no master: pass False), ``rollout_share`` (fraction of the GPU a
-    colocated vLLM engine reserves, default 0.3), ``embeddings`` (logra sketches the embedding too),
-    ``logits_chunk`` (tokens whose fp32 logits are alive at once, default all), ``other_gb`` (CUDA
-    context and allocator slack, default 1.0).
+    ``seq_len``: prompt + completion tokens of a sequence (padded); ``rank``: LoGRA sketch rank, GaLore
+    rank, or LoRA r. opts: ``completion_len`` (tokens per sequence through the LM head; default
+    ``seq_len``), ``micro_batches`` (per update, default 2: the gradients of the earlier micro-batches
+    are alive during the last one's backward; 1: they are not), ``logprob_chunk`` (the harness'
+    ``train.logprob_chunk``, default 256; 0 = full logits), ``gradient_checkpointing`` (default True),
+    ``master_weights`` (default: True for bf16/fp16: fp32 master + fp32 moments for AdamW; the
+    harness' plain torch AdamW on bf16 weights keeps bf16 moments and no master: pass False),
+    ``embeddings`` (logra sketches the embedding and a tied head), ``padded`` (default True: prompts of
+    different lengths, so HF passes a padding mask to SDPA and repeats k/v to every head; False: equal
+    lengths, no mask), ``attention`` (``sdpa`` or ``eager``;
+    default eager for Gemma-2, whose attention softcapping SDPA refuses), ``rollout_share`` (fraction
+    of the GPU a colocated vLLM engine reserves, default 0.3), ``other_gb`` (CUDA context and
+    allocator slack, default 1.0).
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
@@ -147,98 +211,250 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
     if int(gpus) < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
-    known = {"gradient_checkpointing", "master_weights", "rollout_share", "embeddings", "logits_chunk", "other_gb"}
-    unknown = sorted(set(opts) - known)
+    unknown = sorted(set(opts) - OPTIONS)
     if unknown:
-        raise ValueError(f"unknown planner option(s) {unknown}; known: {sorted(known)}")
+        raise ValueError(f"unknown planner option(s) {unknown}; known: {sorted(OPTIONS)}")
     name, cfg = load_model_config(model)
     s = shapes(cfg)
     b = DTYPE_BYTES[dtype]
     low = b < 4
-    gpus = int(gpus)
+    gpus, B, T = int(gpus), int(micro_batch), int(seq_len)
+    C = int(opts.get("completion_len") or T)
+    if not 0 < C <= T:
+        raise ValueError(f"completion_len must be in [1, seq_len={T}], got {C}")
+    k = int(opts.get("micro_batches", 2))
+    if k < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {k}")
     ckpt = bool(opts.get("gradient_checkpointing", True))
     master = bool(opts.get("master_weights", low))
+    emb = bool(opts.get("embeddings", False)) and method == "logra"
+    chunk = int(opts.get("logprob_chunk", 256))
+    attention = str(opts.get("attention") or ("eager" if s.gemma else "sdpa"))
+    padded = bool(opts.get("padded", True))
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"attention must be sdpa or eager, got {attention!r}")
+    r = int(rank)
+    h, L, V, ff = s.hidden, s.layers, s.vocab, s.inter
+    q = s.heads * s.head_dim
+    N, Nh = B * T, B * C  # tokens through the layers / through the LM head
     A: list[str] = [f"{s.total / 1e9:.3f} B parameters ({s.n_proj / 1e9:.3f} B in attention/MLP projections), "
-                    f"weights in {dtype} ({b} B each)"]
+                    f"weights and activations in {dtype} ({b} B each); micro-batch {B} x {T} tokens, "
+                    f"{C} completion tokens per sequence through the LM head; {k} micro-batch(es) per update"]
     shard_p = gpus if sharding in ("fsdp", "zero3") else 1
     shard_g = gpus if sharding in ("fsdp", "zero2", "zero3") else 1
     shard_o = gpus if sharding != "none" else 1
-    A.append(f"sharding {sharding} over {gpus} GPU(s): params /{shard_p}, grads /{shard_g}, optimizer state /{shard_o}")
+    A.append(f"sharding {sharding} over {gpus} GPU(s): params /{shard_p}, grads /{shard_g}, optimizer state /{shard_o}; "
+             "activations are per GPU (data parallel)")
 
-    params = s.total * b
-    grads = 0
-    optim = 0
-    adam_per = (4 + 8) if master else 2 * b  # per AdamW-trained element
+    # ---- what trains how --------------------------------------------------------------------------
+    kind = {"dense": "full", "galore": "full", "galore_layerwise": "full", "lora": "lora", "logra": "logra"}[method]
+    norms_train = kind != "lora"
+    inputs_saved = kind in ("full", "lora")  # a projection (or its adapter) keeps its input x for the weight gradient
+    head_sketched = emb and s.tied
+    embed_dense = kind == "full" or (kind == "logra" and not emb)
+    head_dense = kind == "full" or (kind == "logra" and not head_sketched)  # the head weight gets a dense gradient
+    adam_b = (4 + 8) if master else 2 * b  # AdamW bytes per trained element
+    wb = 4 if master else b  # bytes of one AdamW temporary (works on the master when there is one)
     A.append("AdamW state per trained element: " + ("fp32 master + two fp32 moments (12 B)" if master
-                                                    else f"two moments in the weight dtype ({2 * b} B)"))
-    if method == "dense":
-        grads = s.total * b
-        optim = s.total * adam_per
-    elif method in ("galore", "galore_layerwise"):
-        r_of = [min(rank, m, n) for m, n in s.proj]
-        proj_mats = sum(min(m, n) * r for (m, n), r in zip(s.proj, r_of)) * 4
-        moments = sum(max(m, n) * r for (m, n), r in zip(s.proj, r_of)) * 2 * 4
-        optim = proj_mats + moments + s.n_rest * adam_per + (s.n_proj * 4 if master else 0)
-        if method == "galore":
-            grads = s.total * b
+                                                    else f"two moments in the weight dtype ({2 * b} B), no master"))
+
+    persist: list[Term] = []  # alive for the whole step
+    grads_all: list[Term] = []  # alive once a micro-batch's backward has run (several micro-batches per update)
+    P = s.total * b
+    persist.append(Term("params", "weights", P // shard_p, f"{s.total:,} x {b} B"))
+    dense_rest = s.norms + s.biases + (s.embed if embed_dense else 0) + (s.head if head_dense and not s.tied else 0)
+    if kind == "full":
+        grads_all.append(Term("grads", "gradients", s.total * b // shard_g, "every weight, weight dtype"))
+        if method == "dense":
+            persist.append(Term("optimizer", "AdamW state", s.total * adam_b // shard_o))
         else:
-            grads = max(max(m * n for m, n in s.proj), s.embed) * b
-            A.append("galore_layerwise: one parameter's gradient alive at a time (one micro-batch per update)")
-        A.append(f"galore: rank min({rank}, m, n) per projection, fp32 projector (min side x r) and moments (max side x r)")
-    elif method == "lora":
-        adapters = sum(rank * (m + n) for m, n in s.proj)
-        params += adapters * 4
-        grads = adapters * 4
-        optim = adapters * 8
-        A.append(f"lora: rank {rank} adapters on every projection, fp32, AdamW (two fp32 moments); base frozen")
-    else:  # logra
-        emb = bool(opts.get("embeddings", False))
-        rows = sum(m for m, _ in s.proj) + (s.vocab if emb else 0)
-        sketches = rows * rank * 4
-        row_moments = rows * 4
-        rest = s.n_rest - (s.embed if emb else 0)
-        masters = (s.n_proj + (s.embed if emb else 0)) * 4 if low else 0
-        grads = rest * b
-        optim = sketches + row_moments + masters + rest * adam_per
-        A.append(f"logra: fp32 m x r sketch (r={rank}) + fp32 row second moment per sketched weight; no dense gradient "
-                 f"for them; {'fp32 masters of the sketched weights (logra_core keeps one for low-precision weights)' if low else 'no masters (fp32 weights)'}; "
-                 f"embedding {'sketched' if emb else 'trained by AdamW with a dense gradient'}")
-    params, grads, optim = params // shard_p, grads // shard_g, optim // shard_o
-
-    tokens = int(micro_batch) * int(seq_len)
-    h, L = s.hidden, s.layers
-    if ckpt:
-        # per layer the checkpointed input (tokens x h) + one layer recomputed in full
-        layer_full = tokens * b * (10 * h + 2 * s.heads * s.head_dim + 3 * s.inter)
-        acts = L * tokens * h * b + layer_full
-        A.append("activation checkpointing: one tokens x h input kept per layer, one layer's activations recomputed "
-                 "(~(10h + 2·heads·head_dim + 3·ffn) elements per token, flash/SDPA attention: no s x s scores)")
+            proj_b = 4 if master else b
+            projector, moments = 0, 0
+            for m, n in s.proj:
+                rr = min(r, m, n)
+                # galore_torch keeps Vh[:r] / U[:, r] of the fp32 SVD: a view, so the whole min(m,n)^2 factor
+                # stays alive; for bf16/fp16 weights it keeps a cast copy (min side x r)
+                projector += (min(m, n) ** 2 * 4) if proj_b == 4 else min(m, n) * rr * proj_b
+                moments += max(m, n) * rr * 2 * (4 if master else b)
+            rest = s.n_rest * adam_b + (s.n_proj * 4 if master else 0)
+            persist.append(Term("optimizer", "GaLore projectors", projector // shard_o,
+                                "fp32: the whole min(m,n)^2 SVD factor (galore_torch keeps a view of it); else min(m,n) x r"))
+            persist.append(Term("optimizer", "GaLore moments + AdamW of the rest", (moments + rest) // shard_o,
+                                f"two moments of max(m,n) x min(r,m,n) per projection; AdamW ({adam_b} B) for embedding/norms"))
+            A.append(f"galore: rank min({r}, m, n), proj_type std (projector on the smaller side)")
+            if method == "galore_layerwise" and k == 1:
+                grads_all = [Term("grads", "one gradient at a time", max(max(m * n for m, n in s.proj), s.embed) * b // shard_g,
+                                  "galore_layerwise steps each weight in its grad hook and frees the gradient")]
+            elif method == "galore_layerwise":
+                A.append("galore_layerwise with several micro-batches: the hooks step only in the last micro-batch's "
+                         "backward, so the earlier micro-batches' gradients are all alive (as in galore)")
+    elif kind == "lora":
+        adapters = sum(r * (m + n) for m, n in s.proj)
+        persist.append(Term("params", "LoRA adapters", adapters * 4 // shard_p, f"r={r} A and B on every projection, fp32"))
+        persist.append(Term("optimizer", "AdamW state of the adapters", adapters * 8 // shard_o, "two fp32 moments"))
+        grads_all.append(Term("grads", "adapter gradients", adapters * 4 // shard_g))
+        A.append("lora: base weights, embedding and norms frozen (no gradient, no state)")
     else:
-        acts = L * tokens * b * (10 * h + 2 * s.heads * s.head_dim + 3 * s.inter)
-        A.append("no activation checkpointing: ~(10h + 2·heads·head_dim + 3·ffn) elements per token per layer")
-    chunk = int(opts.get("logits_chunk", 0) or tokens)
-    logits = min(chunk, tokens) * s.vocab * 4 * 2
-    acts += logits
-    A.append(f"logits: fp32 logits + their gradient for {min(chunk, tokens)} tokens at once "
-             f"(micro_batch {micro_batch} x seq_len {seq_len})")
-    A.append("activation formula NOT calibrated against the profiler yet (issue 7 open)")
+        rows = sum(m for m, _ in s.proj) + (V if emb else 0)
+        persist.append(Term("optimizer", "LoGRA row second moments", rows * 4 // shard_o, f"{rows:,} rows, fp32"))
+        if low:
+            persist.append(Term("optimizer", "LoGRA fp32 masters", (s.n_proj + (s.embed if emb else 0)) * 4 // shard_o,
+                                "logra_core keeps an fp32 copy of each low-precision sketched weight"))
+        persist.append(Term("optimizer", "AdamW state of the unsketched tensors", dense_rest * adam_b // shard_o,
+                            "embedding/head (unless sketched), norms, biases"))
+        grads_all.append(Term("grads", "gradients of the unsketched tensors", dense_rest * b // shard_g))
+        persist.append(Term("activations", "LoGRA's last applied D factors", rows * r * 4 // shard_o,
+                            f"m x {r} fp32 per sketched weight, kept for weight sync (logra_core.optimizer last_lowrank)"))
+        bases = (sum(n for _, n in s.proj) + (h if emb else 0)) * r * 4
+        persist.append(Term("activations", "LoGRA projections A", bases // shard_o,
+                            f"{r} x n fp32 per sketched weight, regenerated once per step and cached on the layer"))
+        sk = (sum(m for m, _ in s.proj) * r) * 4
+        grads_all.append(Term("optimizer", "LoGRA sketches", sk // shard_o, f"m x {r} fp32 per projection"))
+        if emb:
+            persist.append(Term("optimizer", "LoGRA embedding sketch", V * r * 4 // shard_o,
+                                f"V x {r} fp32 (the first micro-batch creates it, zero-filled)"))
+        A.append(f"logra: projections learn through m x r sketches (r={r}), no dense gradient; embedding "
+                 + ("and tied head sketched" if emb else "and head trained by AdamW with a dense gradient"))
 
+    # ---- activations saved by the forward, per decoder layer and token (elements) -------------------
+    nh, kv = s.heads, s.kv_heads
+    per_layer = []  # (elements per token, bytes per element, what)
+    per_layer.append((2 * h, b, "residual stream: the layer's input and the mid-layer sum (RMSNorm keeps its input)"))
+    if norms_train:
+        per_layer.append((2 * h, b, "two normalized x (the RMSNorm weight's gradient needs them)"))
+    if inputs_saved:
+        per_layer.append((2 * h, b if kind == "full" or not low else 4,
+                          "two RMSNorm outputs (the q/k/v and gate/up inputs, kept for their weight gradients)"))
+    kvd = kv * s.head_dim
+    if padded:
+        A.append("padded prompts: HF passes a 4-D padding mask, so SDPA gets k/v repeated to every head (the "
+                 "profiler checks ran on equal-length prompts, padded=False; this branch is UNCHECKED)")
+    if padded and kv != nh:
+        per_layer.append((4 * q, b, "SDPA's saved q (after RoPE), k and v repeated to every head (HF repeats them "
+                                    "when a padding mask is passed), output (also o_proj's input)"))
+    else:
+        per_layer.append((2 * q + 2 * kvd, b, "SDPA's saved q and k (after RoPE), v, output (also o_proj's input)"
+                          + ("; no padding: no mask, SDPA does GQA itself" if kv != nh else "")))
+    per_layer.append((nh, 4, "SDPA's log-sum-exp (fp32)"))
+    per_layer.append((3 * ff, b, "MLP: gate (SiLU's input), SiLU(gate) and up (the product's inputs)"))
+    if inputs_saved:
+        per_layer.append((ff, b, "down_proj's input SiLU(gate)*up"))
+    if kind == "logra":
+        per_layer.append((7 * r, 4, f"X A^T (tokens x {r}, fp32) per sketched projection instead of X"))
+    if kind == "lora":
+        per_layer.append((7 * r, 4, f"lora_A's output (tokens x {r}, fp32) per adapter, lora_B's input"))
+    if s.gemma:
+        per_layer.append((2 * h, b + 4, "Gemma-2: two more norms per layer (post-attention, post-MLP) keep their input "
+                                        "and an fp32 normalized x - UNCHECKED"))
+    if attention == "eager":
+        per_layer.append((2 * nh * T, b, "eager attention: scores and softmax (heads x seq_len per token) - UNCHECKED"))
+    layer_bytes = sum(e * by for e, by, _ in per_layer)  # per token
+    saved_layers = N * layer_bytes * L
+    if kind == "lora":
+        saved_layers -= N * h * b  # the embedding output needs no gradient: layer 0's norm keeps nothing
+    final = N * h * b * (1 + (1 if norms_train else 0))  # the final norm's input (+ normalized x)
+    A.append("saved per layer and token: " + "; ".join(f"{e} x {by} B {w}" for e, by, w in per_layer))
+    shared = (B * T * T if padded else 0) + 2 * B * T * s.head_dim * b  # 4-D bool mask (padding only), RoPE cos/sin
+    acts_fwd: list[Term] = []
+    if ckpt:
+        ckpt_inputs = N * h * b * L
+        acts_fwd.append(Term("activations", "checkpointed layer inputs", ckpt_inputs, f"{L} layers x tokens x h"))
+        A.append("activation checkpointing (non-reentrant): each layer keeps only its input; backward recomputes "
+                 "one layer at a time (the 'recompute' candidate: one layer's saved set + ~(2 ffn + 2 h) gradient "
+                 "elements per token, UNCHECKED; the 'backward' candidate is checked on tiny-llama)")
+    else:
+        acts_fwd.append(Term("activations", "saved decoder-layer activations", saved_layers,
+                             f"{L} layers x {N} tokens x {layer_bytes} B"))
+    acts_fwd.append(Term("activations", "final norm", final, "its input (+ normalized x when trained)"))
+    acts_fwd.append(Term("activations", "attention mask + RoPE tables", shared, "once per micro-batch"))
+
+    # ---- the LM head: log-probs of the completion tokens ------------------------------------------
+    plain_head = not s.softcap
+    head_terms: list[Term] = []
+    Nl = Nh  # tokens whose log-prob is taken
+    loss_vecs = Nl * 4 * 12
+    head_terms.append(Term("activations", "per-token loss tensors", loss_vecs, "~12 fp32 vectors over the completion tokens"))
+    hid_grad = Term("activations", "hidden-state gradient", Nl * h * b, "tokens x h")
+    if chunk > 0 and plain_head:
+        c = min(chunk, Nl)
+        n_chunks = -(-Nl // c)
+        head_terms.append(Term("activations", "head input", Nl * h * b if B > 1 else N * h * b,
+                               "the completion positions' hidden states (a copy; with micro_batch 1 a view of all)"))
+        bufs = 3 if n_chunks > 1 else 2
+        head_terms.append(Term("activations", "chunked head logits buffers", bufs * c * V * 4,
+                               f"{bufs} fp32 chunk x V buffers in backward (logits, logits - lse, softmax; the previous "
+                               f"chunk's gradient is still referenced), chunk {c}, {n_chunks} chunk(s)"))
+        head_terms.append(hid_grad)
+        A.append(f"LM head: chunked log-probs (train.logprob_chunk={chunk}), logsumexp kept per token")
+    else:
+        why = "final_logit_softcapping" if not plain_head else "logprob_chunk=0"
+        kept = (Nl + B) * V * 4 if not low else Nl * V * 4  # fp32: a view keeps the model's C+1 logits; else the fp32 copy
+        if s.softcap:
+            kept += (Nl + B) * V * b
+        head_terms.append(Term("activations", "full logits", kept,
+                               "fp32 logits kept by logsumexp" + (" + the softcap's tanh output" if s.softcap else "")))
+        head_terms.append(Term("activations", "logsumexp backward buffers", 3 * Nl * V * 4,
+                               "three fp32 tokens x V buffers (x - lse, its exp, times the gradient); the peak comes "
+                               "before the head's weight gradient exists"))
+        A.append(f"LM head: full logits ({why}): the model's own head over {Nl} tokens")
+        if low or s.softcap:
+            A.append("full-logits head in bf16/fp16 or with softcapping: UNCHECKED against the profiler")
+    if head_dense and chunk > 0 and plain_head:
+        head_terms.append(Term("activations", "head weight gradient (in flight)", V * h * 4 + (V * h * b if low else 0),
+                               "fp32 V x h, summed into the embedding's gradient only when backward reaches the embedding"))
+    if head_sketched and chunk > 0 and plain_head:
+        head_terms.append(Term("activations", "head sketch contribution", V * r * 4, f"V x {r} fp32, added to the embedding sketch"))
+
+    # ---- candidates ---------------------------------------------------------------------------------
+    acc = grads_all if k > 1 else []
+    cands: dict[str, list[Term]] = {}
+    cands["backward"] = persist + acc + acts_fwd + head_terms
+    if ckpt:
+        one = N * layer_bytes
+        trans = N * (2 * ff + h) * b
+        cands["recompute"] = persist + acc + acts_fwd[:1] + [
+            Term("activations", "one recomputed layer", one, "its saved activations"),
+            Term("activations", "gradients flowing in that layer", trans + N * h * b, "~(2 ffn + 2 h) per token"),
+        ] + ([Term("activations", "head weight gradient (in flight)", V * h * 4, "")] if head_dense else [])
+    if k == 1:
+        cands["backward_end"] = persist + grads_all + [
+            Term("activations", "embedding gradient being formed", V * h * 4 if embed_dense else 0, "fp32 V x h")]
+    # the optimizer step
+    opt_terms = persist + grads_all
+    if method in ("dense", "galore", "lora"):
+        biggest = max([s.embed] + [m * n for m, n in s.proj]) if kind == "full" else max(r * max(m, n) for m, n in s.proj)
+        opt_terms = opt_terms + [Term("activations", "AdamW temporaries", 2 * biggest * wb, "two of the largest tensor")]
+        if method == "galore":
+            m, n = max(s.proj, key=lambda x: x[0] * x[1])
+            opt_terms.append(Term("activations", "GaLore project-back", 2 * m * n * wb, "the full-size update and its scaled copy"))
+    elif method == "logra":
+        opt_terms = opt_terms + [Term("activations", "update of the unsketched tensors", 2 * dense_rest * b,
+                                      "AdamW direction and the dense entry, held until apply")]
+    cands["optimizer"] = opt_terms
+
+    totals = {name: sum(t.nbytes for t in ts) for name, ts in cands.items()}
+    peak_at = max(totals, key=totals.get)
+    terms = list(cands[peak_at])
+
+    # ---- beside the training tensors ----------------------------------------------------------------
+    if sharding in ("fsdp", "zero3") and gpus > 1:
+        gather = max(2 * s.layer_params, s.embed) * b
+        terms.append(Term("other", "gathered full parameters", gather,
+                          "FSDP/ZeRO-3: two layers (current + prefetch) or the embedding unsharded - UNCHECKED"))
     capacity = int(float(gpu_mem_gb) * 2**30)
     if rollout in ("none", None, False, "external"):
-        roll = 0
         A.append("rollout: no colocated engine on this GPU")
     else:
         share = float(rollout) if isinstance(rollout, (int, float)) or str(rollout).replace(".", "", 1).isdigit() \
             else float(opts.get("rollout_share", 0.3))
         if not 0.0 <= share < 1.0:
             raise ValueError(f"rollout share must be in [0, 1), got {share}")
-        roll = int(share * capacity)
-        A.append(f"rollout: a colocated vLLM engine reserves {share:.2f} of the GPU (gpu_memory_utilization), "
-                 "its own weights and KV cache inside that share")
+        terms.append(Term("rollout", "colocated vLLM engine", int(share * capacity),
+                          f"gpu_memory_utilization {share:.2f}: its weights and KV cache inside that share"))
     other = int(float(opts.get("other_gb", 1.0)) * 2**30)
-    A.append(f"other: {other / 2**30:.1f} GiB for the CUDA context and allocator slack")
-    cats = {"params": int(params), "grads": int(grads), "optimizer": int(optim), "activations": int(acts),
-            "rollout": roll, "other": other}
-    settings = {"gpus": gpus, "gpu_mem_gb": gpu_mem_gb, "micro_batch": micro_batch, "seq_len": seq_len, "rank": rank,
-                "sharding": sharding, "rollout": rollout, "dtype": dtype}
-    return Plan(name, method, cats, capacity, A, settings)
+    if other:
+        terms.append(Term("other", "CUDA context and allocator slack", other))
+    settings = {"gpus": gpus, "gpu_mem_gb": gpu_mem_gb, "micro_batch": B, "seq_len": T, "completion_len": C,
+                "micro_batches": k, "rank": r, "sharding": sharding, "rollout": rollout, "dtype": dtype,
+                "gradient_checkpointing": ckpt, "logprob_chunk": chunk}
+    return Plan(name, method, terms, capacity, A, settings, totals, peak_at)

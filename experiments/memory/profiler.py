@@ -36,15 +36,23 @@ def _storage(t: torch.Tensor):
 
 
 class MemoryProfiler(TorchDispatchMode):
-    def __init__(self, model: torch.nn.Module, optimizer_state: Callable[[], Iterable[torch.Tensor]] = lambda: ()):
+    def __init__(self, model: torch.nn.Module, optimizer_state: Callable[[], Iterable[torch.Tensor]] = lambda: (),
+                 trace: bool = False):
         super().__init__()
         self.model, self.optimizer_state = model, optimizer_state
+        # trace=True: remember which op made each storage (and its shape), and at the peak list every live
+        # storage as (category, op, shape, dtype, bytes) in ``peak_tensors`` (slower; for finding the peak)
+        self.trace = trace
+        self.meta: dict[int, tuple] = {}
+        self.peak_tensors: list[tuple] = []
+        self._op = "registered"
         self.live: dict[int, int] = {}  # storage id -> bytes
         self.current = 0
         self.peak = 0
         self.peak_split: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
         self._phase: str | None = None
+        self.peak_phase: str | None = None  # the phase during which the peak was reached
 
     # --- accounting
     def _see(self, t: torch.Tensor) -> None:
@@ -57,15 +65,19 @@ class MemoryProfiler(TorchDispatchMode):
         n = st.nbytes()
         self.live[key] = n
         self.current += n
+        if self.trace:
+            self.meta[key] = (self._op, tuple(t.shape), str(t.dtype).replace("torch.", ""))
         weakref.finalize(st, self._free, key)
         if self._phase is not None:
             self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), self.current)
         if self.current > self.peak:
             self.peak = self.current
+            self.peak_phase = self._phase
             self.peak_split = self._split()
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
+        self.meta.pop(key, None)
 
     def _ids(self, tensors) -> set[int]:
         out = set()
@@ -79,9 +91,14 @@ class MemoryProfiler(TorchDispatchMode):
         cats = {"params": self._ids(params), "grads": self._ids(p.grad for p in params if p.grad is not None),
                 "optimizer": self._ids(self.optimizer_state())}
         split = {k: 0 for k in ("params", "grads", "optimizer", "activations")}
+        listed = []
         for key, n in self.live.items():
             name = next((c for c, ids in cats.items() if key in ids), "activations")
             split[name] += n
+            if self.trace:
+                listed.append((name, *self.meta.get(key, ("?", (), "?")), n))
+        if self.trace:
+            self.peak_tensors = listed
         return split
 
     def register(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -98,6 +115,8 @@ class MemoryProfiler(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.trace:
+            self._op = str(getattr(func, "__name__", func))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._see(t)
