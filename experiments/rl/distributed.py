@@ -222,7 +222,7 @@ class DataParallel:
         """The rollouts of this rank's prompts; with ``dist.seeded_groups`` one seeded call per group."""
         if not self.cfg.dist.seeded_groups:
             return engine.generate(prompts, n=n)
-        from experiments.rl.rollout import _pad, Rollouts
+        from experiments.rl.rollout import Rollouts
 
         first = self.rank * len(prompts)
         parts = []
@@ -230,16 +230,7 @@ class DataParallel:
             with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
                 torch.manual_seed(self.group_seed(self.cfg.seed, step, first + j))
                 parts.append(engine.generate([prompt], n=n))
-        pad = engine.tokenizer.pad_token_id
-        return Rollouts(
-            prompt_ids=_pad([p.prompt_ids for p in parts], pad, left=True),
-            prompt_mask=_pad([p.prompt_mask for p in parts], 0, left=True),
-            completion_ids=_pad([p.completion_ids for p in parts], pad, left=False),
-            completion_mask=_pad([p.completion_mask for p in parts], 0, left=False),
-            sampler_logprobs=_pad([p.sampler_logprobs for p in parts], 0.0, left=False),
-            texts=[t for p in parts for t in p.texts],
-            truncated=torch.cat([p.truncated for p in parts]),
-        )
+        return Rollouts.cat(parts, engine.tokenizer.pad_token_id)
 
     def full_weights(self, model: nn.Module):
         """Context in which ``model`` holds its whole weights (rollouts, evaluation)."""

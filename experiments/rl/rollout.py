@@ -42,6 +42,19 @@ class Rollouts:
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
+    @staticmethod
+    def cat(parts: list["Rollouts"], pad: int) -> "Rollouts":
+        """The rows of ``parts`` in order, padded to common widths (prompts left, completions right)."""
+        return Rollouts(
+            prompt_ids=_pad([p.prompt_ids for p in parts], pad, left=True),
+            prompt_mask=_pad([p.prompt_mask for p in parts], 0, left=True),
+            completion_ids=_pad([p.completion_ids for p in parts], pad, left=False),
+            completion_mask=_pad([p.completion_mask for p in parts], 0, left=False),
+            sampler_logprobs=_pad([p.sampler_logprobs for p in parts], 0.0, left=False),
+            texts=[t for p in parts for t in p.texts],
+            truncated=torch.cat([p.truncated for p in parts]),
+        )
+
     def select(self, idx: torch.Tensor) -> "Rollouts":
         """The rows ``idx``, with all-padding columns trimmed."""
         idx = idx.long()
@@ -151,16 +164,7 @@ class HFGenerateEngine(RolloutEngine):
             self._generate_batch(expanded[i : i + self.cfg.batch_size], greedy, max_new_tokens or self.cfg.max_new_tokens)
             for i in range(0, len(expanded), self.cfg.batch_size)
         ]
-        pad = self.tokenizer.pad_token_id
-        return Rollouts(
-            prompt_ids=_pad([p.prompt_ids for p in parts], pad, left=True),
-            prompt_mask=_pad([p.prompt_mask for p in parts], 0, left=True),
-            completion_ids=_pad([p.completion_ids for p in parts], pad, left=False),
-            completion_mask=_pad([p.completion_mask for p in parts], 0, left=False),
-            sampler_logprobs=_pad([p.sampler_logprobs for p in parts], 0.0, left=False),
-            texts=[t for p in parts for t in p.texts],
-            truncated=torch.cat([p.truncated for p in parts]),
-        )
+        return Rollouts.cat(parts, self.tokenizer.pad_token_id)
 
     def _generate_batch(self, prompts: list[str], greedy: bool, max_new_tokens: int) -> Rollouts:
         tok, model = self.tokenizer, self.model
