@@ -319,3 +319,20 @@ def test_kill_9_at_a_random_step_then_resume_gives_the_same_weights(tmp_path, re
     start, metrics = _resume_and_compare(run_dir, reference, "checkpoint.every=1")
     assert start >= step - 1
     assert _comparable(metrics) == _comparable(reference[1])
+
+
+def test_resume_accepts_a_key_added_since_at_its_default(tmp_path):
+    """A run recorded before a config key existed (here: log.memory_profile) resumes while the key
+    holds its default; a non-default value is still a refused change."""
+    from omegaconf import OmegaConf
+
+    from experiments.config import ConfigError
+
+    common = ["train.steps=1", *METHOD_ARGS["dense"]]
+    _trainer(tmp_path / "k", *common).train()
+    saved = OmegaConf.load(tmp_path / "k" / "config.yaml")
+    del saved.log["memory_profile"]
+    (tmp_path / "k" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    assert _trainer(tmp_path / "k", *common, "resume=true").step == 1
+    with pytest.raises(ConfigError, match="log.memory_profile"):
+        _trainer(tmp_path / "k", *common, "resume=true", "log.memory_profile=true")
