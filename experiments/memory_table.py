@@ -80,14 +80,14 @@ def child(spec: str, args: dict) -> dict:
                      logprob_chunk=int(cfg.train.logprob_chunk), master_weights=False,
                      padded=bool((rollouts.prompt_mask == 0).any()),
                      embeddings=bool(section.get("embeddings", False)) if method == "logra" else False)
-            planned, planned_at = p.total_bytes, p.peak_at
+            planned, planned_at, candidates = p.total_bytes, p.peak_at, p.candidates
         except ValueError:
-            planned, planned_at = "", ""
+            planned, planned_at, candidates = "", "", {}
     return {"method": spec, "model": args["model"], "peak_bytes": int(rec["mem/tensor_peak_bytes"]),
             **{f"{k}_bytes": int(rec[f"mem/{k}_bytes"]) for k in ("params", "grads", "optimizer", "activations")},
             "peak_rss_bytes": peak_rss_bytes(), "planner_bytes": planned,
             "planner_ratio": round(planned / rec["mem/tensor_peak_bytes"], 4) if planned != "" else "", "planner_peak_at": planned_at,
-            "seq_len": seq_len, "peak_phase": prof.peak_phase,
+            "seq_len": seq_len, "peak_phase": prof.peak_phase, "planner_candidates": candidates,
             "phases": {k: v for k, v in rec.items() if k.count("/") == 2}}
 
 

@@ -73,6 +73,9 @@ def test_planner_within_10_percent_of_the_profiled_peak_on_tiny_llama(spec, tmp_
     assert abs(ratio - 1) <= 0.10, (f"{spec}: planner {row['planner_bytes'] / 2**20:.1f} MiB "
                                     f"({row['planner_peak_at']}) vs profiled {row['peak_bytes'] / 2**20:.1f} MiB "
                                     f"({row['peak_phase']}): ratio {ratio:.3f}")
+    # the optimizer step, a peak of its own (not the step's peak here): the planner's candidate vs the phase's peak
+    measured = row["phases"]["mem/optimizer/peak_bytes"]
+    assert abs(row["planner_candidates"]["optimizer"] / measured - 1) <= 0.10, (spec, row["planner_candidates"], measured)
 
 
 def test_the_planner_check_can_fail():

@@ -423,13 +423,25 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     opt_terms = persist + grads_all
     if method in ("dense", "galore", "lora"):
         biggest = max([s.embed] + [m * n for m, n in s.proj]) if kind == "full" else max(r * max(m, n) for m, n in s.proj)
-        opt_terms = opt_terms + [Term("activations", "AdamW temporaries", 2 * biggest * wb, "two of the largest tensor")]
+        opt_terms = opt_terms + [Term("activations", "AdamW temporaries", 2 * biggest * wb // shard_o,
+                                      "two of the largest tensor (of its shard); CPU single-tensor AdamW - CUDA's foreach AdamW is UNCHECKED")]
         if method == "galore":
             m, n = max(s.proj, key=lambda x: x[0] * x[1])
-            opt_terms.append(Term("activations", "GaLore project-back", 2 * m * n * wb, "the full-size update and its scaled copy"))
+            opt_terms.append(Term("activations", "GaLore project-back", 2 * m * n * wb // shard_o,
+                                  "the full-size update and its scaled copy"))
+    elif method == "galore_layerwise":
+        opt_terms = list(persist)  # every weight already stepped (and its gradient freed) inside backward
     elif method == "logra":
-        opt_terms = opt_terms + [Term("activations", "update of the unsketched tensors", 2 * dense_rest * b,
-                                      "AdamW direction and the dense entry, held until apply")]
+        rows_all = sum(m for m, _ in s.proj) + (V if emb else 0)
+        biggest_dense = max([s.embed if embed_dense else 0, s.head if head_dense else 0, h])
+        opt_terms = opt_terms + [
+            Term("activations", "update of the unsketched tensors", 2 * dense_rest * b // shard_o,
+                 "AdamW direction and the dense entry per tensor, held in the Update until apply"),
+            Term("activations", "temporaries of the largest dense entry", 2 * biggest_dense * b // shard_o,
+                 "direction * alpha and p * decay while the entry is formed"),
+            Term("activations", "D and its scaled copy", 2 * rows_all * r * 4 // shard_o,
+                 f"m x {r} fp32 per sketched weight, held in the Update until apply"),
+        ]
     cands["optimizer"] = opt_terms
 
     totals = {name: sum(t.nbytes for t in ts) for name, ts in cands.items()}
