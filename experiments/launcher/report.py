@@ -29,6 +29,12 @@ def plan_memory(run: Run, sweep: Sweep, launcher: dict) -> str:
     kwargs = {"gpus": gpus, "micro_batch": int(cfg.train.micro_batch_size), "rank": int(rank),
               "dtype": DTYPES.get(cfg.model.dtype, cfg.model.dtype), **opts}
     kwargs.setdefault("seq_len", 1024)
+    # the job's own shapes: completion tokens through the LM head, micro-batches per update, head chunk, checkpointing
+    kwargs.setdefault("completion_len", min(int(cfg.rollout.max_new_tokens), int(kwargs["seq_len"])))
+    per_gpu = int(cfg.train.prompts_per_step) * int(cfg.train.group_size) / gpus
+    kwargs.setdefault("micro_batches", max(1, -(-int(per_gpu) // int(cfg.train.micro_batch_size))))
+    kwargs.setdefault("logprob_chunk", int(cfg.train.logprob_chunk))
+    kwargs.setdefault("gradient_checkpointing", bool(cfg.model.gradient_checkpointing))
     try:
         p = plan(models.get(cfg.model.name, cfg.model.name), cfg.method, **kwargs)
     except Exception as e:  # noqa: BLE001  (a dry run reports, it does not stop)
