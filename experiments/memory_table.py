@@ -1,7 +1,7 @@
 """Memory of one GRPO training step per method, each in a fresh process, by category.
 
     python -m experiments.memory_table [out=results/memory_table] [methods=dense,galore,galore_layerwise,lora,logra]
-        [model=smollm2-135m-instruct] [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [trace=0]
+        [model=smollm2-135m-instruct] [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [trace=0] [pad=0]
         [run-config key=value ...]
 
 Every method trains on the same fixed rollout batch (``experiments.memory.step_bench.fixed_rollouts``:
@@ -12,7 +12,8 @@ peak of live tensor bytes, the phase it happened in, and its split into params /
 state (moments, sketches, projectors, masters) / activations+other; the process's peak RSS is
 reported beside it. A method name may carry overrides after a colon:
 ``methods="dense,logra:logra.embeddings=true"``. ``trace=1`` also writes ``<out>/trace_<method>.txt``:
-every storage alive at the peak, grouped by the op that made it and its shape.
+every storage alive at the peak, grouped by the op that made it and its shape. ``pad=<n>``: every
+other prompt gets n more tokens and the rest are left-padded (every micro-batch has a padding mask).
 
 Writes ``<out>/memory.csv`` (columns below), ``<out>/memory.png`` and ``.pdf`` (stacked bars), and
 ``<out>/memory.json`` (command, git sha, settings, per-phase peaks); prints the table.
@@ -36,7 +37,7 @@ import torch
 COLUMNS = ["method", "model", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
            "peak_rss_bytes", "planner_bytes", "planner_ratio", "planner_peak_at", "peak_phase", "seq_len", "git_sha"]
 KEYS = {"out": "results/memory_table", "methods": "dense,galore,galore_layerwise,lora,logra",
-        "model": "smollm2-135m-instruct", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2", "trace": "0"}
+        "model": "smollm2-135m-instruct", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2", "trace": "0", "pad": "0"}
 
 
 def child(spec: str, args: dict) -> dict:
@@ -55,7 +56,7 @@ def child(spec: str, args: dict) -> dict:
                             "eval.every=0", *args["overrides"], *[e for e in extra.split() if e]])
         trainer = GRPOTrainer(cfg)
         seqs, mb = int(args["seqs"]), int(args["micro_batch"])
-        rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(args["completion_len"]))
+        rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(args["completion_len"]), pad=int(args.get("pad", 0)))
         advantages, rows = torch.linspace(-1.0, 1.0, seqs), torch.arange(seqs)
         prof = MemoryProfiler(trainer.model, lambda: optimizer_tensors(trainer.method, trainer.model),
                               trace=args["trace"] not in ("0", "false", ""))

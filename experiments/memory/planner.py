@@ -327,8 +327,8 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
                           "two RMSNorm outputs (the q/k/v and gate/up inputs, kept for their weight gradients)"))
     kvd = kv * s.head_dim
     if padded:
-        A.append("padded prompts: HF passes a 4-D padding mask, so SDPA gets k/v repeated to every head (the "
-                 "profiler checks ran on equal-length prompts, padded=False; this branch is UNCHECKED)")
+        A.append("padded prompts: HF passes a 4-D additive padding mask, so SDPA gets k/v repeated to every head "
+                 "(checked on tiny-llama with memory_table pad=16)")
     if padded and kv != nh:
         per_layer.append((4 * q, b, "SDPA's saved q (after RoPE), k and v repeated to every head (HF repeats them "
                                     "when a padding mask is passed), output (also o_proj's input)"))
@@ -354,7 +354,8 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
         saved_layers -= N * h * b  # the embedding output needs no gradient: layer 0's norm keeps nothing
     final = N * h * b * (1 + (1 if norms_train else 0))  # the final norm's input (+ normalized x)
     A.append("saved per layer and token: " + "; ".join(f"{e} x {by} B {w}" for e, by, w in per_layer))
-    shared = (B * T * T if padded else 0) + 2 * B * T * s.head_dim * b  # 4-D bool mask (padding only), RoPE cos/sin
+    # padding only: HF's additive 4-D mask in the activation dtype (the profiler sees two of them); RoPE cos/sin
+    shared = (2 * B * T * T * b if padded else 0) + 2 * B * T * s.head_dim * b
     acts_fwd: list[Term] = []
     if ckpt:
         ckpt_inputs = N * h * b * L

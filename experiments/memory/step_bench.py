@@ -46,8 +46,13 @@ def _split(argv: list[str]) -> tuple[dict, list[str]]:
     return bench, rest
 
 
-def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0):
-    """A deterministic rollout batch: real arith prompts, random completion tokens, full masks."""
+def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0, pad: int = 0):
+    """A deterministic rollout batch: real arith prompts, random completion tokens, full masks.
+
+    ``pad > 0``: the even rows' prompts get ``pad`` more (random, real) tokens on the left and the odd
+    rows are left-padded to their length, so every micro-batch of two or more rows carries a padding
+    mask, as real GRPO batches do.
+    """
     from experiments.rl.rollout import Rollouts
     from experiments.rl.tasks import TaskConfig, build_task, format_prompt
 
@@ -55,9 +60,15 @@ def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0):
     enc = tokenizer([format_prompt(tokenizer, p, TaskConfig().instruction) for p in problems],
                     return_tensors="pt", padding=True, add_special_tokens=False)
     g = torch.Generator().manual_seed(seed)
+    ids, mask = enc.input_ids, enc.attention_mask
+    if pad > 0:
+        extra = torch.full((seqs, pad), tokenizer.pad_token_id, dtype=ids.dtype)
+        extra[0::2] = torch.randint(0, len(tokenizer), (len(extra[0::2]), pad), generator=g)
+        ids, mask = torch.cat([extra, ids], 1), torch.cat([torch.zeros_like(extra), mask], 1)
+        mask[0::2, :pad] = 1
     completion = torch.randint(0, len(tokenizer), (seqs, completion_len), generator=g)
     ones = torch.ones_like(completion)
-    return Rollouts(enc.input_ids, enc.attention_mask, completion, ones, torch.zeros(seqs, completion_len),
+    return Rollouts(ids, mask, completion, ones, torch.zeros(seqs, completion_len),
                     [""] * seqs, torch.zeros(seqs, dtype=torch.bool))
 
 
