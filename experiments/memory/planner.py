@@ -24,10 +24,12 @@ Each term carries its assumption; ``Plan.table()`` prints them, the candidates a
 The terms follow the code paths of this repository (``experiments/rl/grpo.py``,
 ``logra_core/chunked_head.py``, ``logra_core/sketch.py``, ``baselines/``) and were checked against
 the tensor-accounting profiler (``experiments/memory/profiler.py``, ``python -m
-experiments.memory_table``): within 10 % for every method on tiny-llama (``tests/test_planner.py``)
-and SmolLM2-135M (``results/memory_table/``), fp32 on CPU. Settings those checks do not cover
-(bf16, CUDA kernels, FSDP gathers, eager attention, the full-logits head) are marked UNCHECKED in
-the printed assumptions.
+experiments.memory_table``): within 10 % (in fact 0.1 %) for every method on tiny-llama
+(``tests/test_planner.py``, also with a padding mask) and SmolLM2-135M (``results/memory_table/``),
+fp32 on CPU; on tiny-llama also with ``train.logprob_chunk=0`` (full logits) and activation
+checkpointing (where the head is the peak). Settings those checks do not cover (bf16/fp16 casts, CUDA
+kernels and CUDA's foreach AdamW, FSDP gathers, Gemma-2's extra norms and eager attention, the layer
+recompute candidate) are marked UNCHECKED in the printed assumptions.
 """
 
 from __future__ import annotations

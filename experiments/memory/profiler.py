@@ -12,7 +12,9 @@ up front: the model's parameters, existing grads and optimizer state) until it i
 finalizer on the storage). At every new peak, the live storages are classified by identity:
 params = the model's parameters, grads = their ``.grad``, optimizer = tensors returned by
 ``optimizer_state()`` (moments, sketches, bases, masters), everything else = activations/other.
-Categories therefore add up to the peak exactly. NOT yet wired into the trainer (issue 7 open).
+Categories therefore add up to the peak exactly. The trainer opens one per step with
+``log.memory_profile=true`` (:class:`StepProfiler`); ``trace=True`` also lists every storage alive at
+the peak with the op that made it (``python -m experiments.memory_table trace=1``).
 """
 
 from __future__ import annotations
