@@ -17,7 +17,8 @@ peak of a training step and takes the largest —
   weight gradient and the hidden-state gradient; beside the parameters, the optimizer state and the
   gradients (or sketches) of the earlier micro-batches;
 * ``recompute`` (activation checkpointing only): one layer recomputed inside backward;
-* ``backward_end`` (one micro-batch per update only): every gradient just formed;
+* ``backward_end``: the embedding's backward, where a tied head's gradient (held since the head's
+  backward) and the embedding lookup's gradient are summed, beside every other gradient;
 * ``optimizer``: the step, with the method's own temporaries.
 
 Each term carries its assumption; ``Plan.table()`` prints them, the candidates and which one won.
@@ -419,9 +420,13 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
             Term("activations", "one recomputed layer", one, "its saved activations"),
             Term("activations", "gradients flowing in that layer", trans + N * h * b, "~(2 ffn + 2 h) per token"),
         ] + ([Term("activations", "head weight gradient (in flight)", V * h * 4, "")] if head_dense else [])
-    if k == 1:
+    # the end of backward: the embedding's gradient meets the tied head's (held since the head's backward)
+    if embed_dense:
+        n_buf = (3 if s.tied else 1) - (1 if k == 1 else 0)  # with no .grad yet, the sum becomes the gradient
         cands["backward_end"] = persist + grads_all + [
-            Term("activations", "embedding gradient being formed", V * h * 4 if embed_dense else 0, "fp32 V x h")]
+            Term("activations", "embedding gradient buffers", n_buf * V * h * b,
+                 ("the head's gradient, the embedding lookup's and their sum" if s.tied else "the embedding lookup's gradient")
+                 + " (V x h each); every activation is freed by then")]
     # the optimizer step
     opt_terms = persist + grads_all
     if method in ("dense", "galore", "lora"):
