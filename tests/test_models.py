@@ -59,3 +59,18 @@ def test_local_path_loads_the_ordinary_way(tmp_path):
     a, b = model.state_dict(), again.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert tok2.padding_side == "left" and len(tok2) == len(tok)
+
+
+def test_an_architecture_without_sdpa_falls_back_to_eager(tmp_path, capsys):
+    """Gemma-2 has no SDPA path in transformers (soft-capped attention logits): the default
+    attn_implementation=sdpa loads it with eager attention and says so, instead of failing."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(tmp_path / "g")
+    _, tok = load_model(ModelConfig(name="tiny-llama"))
+    tok.save_pretrained(tmp_path / "g")
+    model, _ = load_model(ModelConfig(name=str(tmp_path / "g")))
+    assert model.config._attn_implementation == "eager"
+    assert "using attn_implementation=eager" in capsys.readouterr().out

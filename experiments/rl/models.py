@@ -34,7 +34,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class ModelConfig:
     name: str = "smollm2-135m-instruct"  # registry key (smollm2-135m-instruct | tiny-llama) or hub name / local path
     dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
-    attn_implementation: str = "sdpa"  # sdpa | eager (eager is needed for forward-mode AD on CPU)
+    attn_implementation: str = "sdpa"  # sdpa | eager (eager is needed for forward-mode AD on CPU); sdpa falls back to eager where the architecture has none (Gemma-2)
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
     init_seed: int = 0  # seeds the random init of tiny-llama
     tiny_hidden_size: int = 64  # tiny-llama: hidden width
@@ -96,9 +96,16 @@ def _dtype(name: str) -> torch.dtype:
 def _load_pretrained(cfg: ModelConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.name, dtype=_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation
-    )
+    def load(attn: str):
+        return AutoModelForCausalLM.from_pretrained(cfg.name, dtype=_dtype(cfg.dtype), attn_implementation=attn)
+
+    try:
+        model = load(cfg.attn_implementation)
+    except ValueError as e:  # e.g. Gemma-2: no SDPA path (its attention logits are soft-capped)
+        if cfg.attn_implementation != "sdpa" or "does not support" not in str(e):
+            raise
+        print(f"[model] {cfg.name}: no SDPA attention in this architecture; using attn_implementation=eager")
+        model = load("eager")
     return model, AutoTokenizer.from_pretrained(cfg.name)
 
 
