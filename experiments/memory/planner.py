@@ -244,6 +244,10 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     A: list[str] = [f"{s.total / 1e9:.3f} B parameters ({s.n_proj / 1e9:.3f} B in attention/MLP projections), "
                     f"weights and activations in {dtype} ({b} B each); micro-batch {B} x {T} tokens, "
                     f"{C} completion tokens per sequence through the LM head; {k} micro-batch(es) per update"]
+    if low:
+        A.append(f"{dtype}: every activation term is the fp32-checked element count times {b} B; casts the "
+                 "profiler checks did not see (fp32 copies in norms, peft's fp32 adapters on low-precision inputs, "
+                 "CUDA kernels' workspaces) are UNCHECKED")
     shard_p = gpus if sharding in ("fsdp", "zero3") else 1
     shard_g = gpus if sharding in ("fsdp", "zero2", "zero3") else 1
     shard_o = gpus if sharding != "none" else 1
