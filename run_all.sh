@@ -40,16 +40,16 @@ for a in ${rest[@]+"${rest[@]}"}; do case "$a" in root=*) root="${a#root=}" ;; e
 status=0
 python -m experiments.launch "${args[@]}" ${rest[@]+"${rest[@]}"} || status=$?
 [ "$dry_run" = 1 ] && exit $status
-# The analysis step: tables and figures of every run under the root (python -m analysis), or, until
-# that exists, the launcher's run summary.
-if python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('analysis.__main__') is None)"; then
-  python -m analysis "$root" || status=$?
-else
-  echo "analysis: python -m analysis is not in this tree yet; run summary in $root/summary.csv"
-fi
+# The analysis step: tables and figures of every run under the root (results/<profile>/tables, figures).
+python -m analysis "$root" || status=$?
 if [ -f "$root/memory/memory.csv" ]; then
-  echo; echo "memory table ($root/memory/memory.csv):"
-  python -c "import csv,sys; rows=list(csv.reader(open(sys.argv[1]))); w=[max(len(r[i]) for r in rows) for i in range(len(rows[0]))]; [print('  '.join(c.ljust(x) for c,x in zip(r,w))) for r in rows]" "$root/memory/memory.csv"
+  echo
+  if [ -f "$root/tables/memory_step.md" ]; then  # the analysis step's rendering: MiB, x dense
+    echo "memory table ($root/tables/memory_step.md, from $root/memory/memory.csv):"; cat "$root/tables/memory_step.md"
+  else
+    echo "memory table ($root/memory/memory.csv):"
+    python -c "import csv,sys; rows=list(csv.reader(open(sys.argv[1]))); w=[max(len(r[i]) for r in rows) for i in range(len(rows[0]))]; [print('  '.join(c.ljust(x) for c,x in zip(r,w))) for r in rows]" "$root/memory/memory.csv"
+  fi
   echo "figures: $(ls "$root"/memory/*.png "$root"/memory/*.pdf "$root"/figures/*.png 2>/dev/null | tr '\n' ' ')"
 fi
 exit $status

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.render import Absent, colors, legend_right, seed_band
+from analysis.render import Absent, colors, legend_right, line_styles, seed_band
 
 SMOOTH = 5
-MARKERS = "osD^vP*X"
-DASHES = ["-", "--", "-.", ":"]
 
 
 def figure(runs: pd.DataFrame):
@@ -26,11 +24,7 @@ def figure(runs: pd.DataFrame):
         raise Absent("no run logged reward/mean or eval/accuracy")
     tasks = sorted(runs["task_label"].unique())
     variants = sorted(runs["variant"].unique())
-    color = colors(variants)
-    # equal curves (e.g. two methods with the same first steps) stay visible: each variant its own
-    # marker and dash, markers shrinking down the list so a later one sits inside an earlier one
-    look = {v: {"marker": MARKERS[i % len(MARKERS)], "linestyle": DASHES[i % len(DASHES)],
-                "markersize": max(3.0, 7.0 - 0.8 * i)} for i, v in enumerate(variants)}
+    color, look = colors(variants), line_styles(variants)
     fig, axes = plt.subplots(len(tasks), 2, figsize=(15, 3.8 * len(tasks) + 0.3), squeeze=False)
     for (ax_r, ax_e), task in zip(axes, tasks):
         of_task = runs[runs["task_label"] == task]

@@ -144,7 +144,7 @@ def figure(memory: pd.DataFrame | None, runs: pd.DataFrame):
             seeds = "" if n == [1] else f" (mean over {n[0]} seeds)" if len(n) == 1 else f" (mean over {n[0]}–{n[-1]} seeds per bar)"
             split = rows[[f"{c}_bytes" for c in CATEGORIES]].notna().any(axis=None)
             what = ("largest mem/peak_bytes over the steps" if split else
-                    "largest mem/peak_bytes over the steps (on CPU the process's peak RSS: generation and evaluation included)")
+                    "largest mem/peak_bytes over the steps\n(on CPU the process's peak RSS: generation and evaluation included)")
             panels.append((f"training runs on {task}: {what}{seeds}",
                            "variant", rows))
     except Absent:

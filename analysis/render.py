@@ -157,6 +157,17 @@ def colors(labels) -> dict[str, str]:
     return {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
 
 
+MARKERS = "osD^vP*X"
+DASHES = ["-", "--", "-.", ":"]
+
+
+def line_styles(labels) -> dict[str, dict]:
+    """A marker and dash per label, markers shrinking down the list: lines with equal values (two
+    methods with the same first steps) stay visible, a later marker sitting inside an earlier one."""
+    return {label: {"marker": MARKERS[i % len(MARKERS)], "linestyle": DASHES[i % len(DASHES)],
+                    "markersize": max(3.0, 7.0 - 0.8 * i)} for i, label in enumerate(dict.fromkeys(labels))}
+
+
 def seed_band(ax, frame: pd.DataFrame, key: str, color, label: str, scale: float = 1.0, smooth: int = 1,
               **style) -> None:
     """Mean over the runs in ``frame`` of ``key`` per step (each run first smoothed by a trailing

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from analysis.render import GROUP, Absent, Table, byte_unit, colors, fmt, legend_right, plain_log_ticks, seed_band
+from analysis.render import GROUP, Absent, Table, byte_unit, colors, fmt, legend_right, line_styles, plain_log_ticks, seed_band
 
 
 def synced_steps(runs: pd.DataFrame) -> pd.DataFrame:
@@ -55,7 +55,7 @@ def figure(runs: pd.DataFrame):
     data = table(runs).data
     steps = synced_steps(runs)
     unit = byte_unit(pd.concat([data["full_bytes"], data["bytes_max"]]))
-    color = colors(sorted(steps["variant"].unique()))
+    color, look = colors(sorted(steps["variant"].unique())), line_styles(sorted(steps["variant"].unique()))
     labels = [v if data["task_label"].nunique() == 1 else f"{t}: {v}" for t, v in zip(data["task_label"], data["variant"])]
     fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(14, max(3.5, 0.5 * len(data) + 2)))
     y = range(len(data))
@@ -69,7 +69,7 @@ def figure(runs: pd.DataFrame):
              xlim=(0, 1.3 * max(data["full_bytes"].max(), data["bytes_max"].max()) / unit[1]))
     for (task, variant), frame in steps.groupby(GROUP, sort=True):
         label = variant if steps["task_label"].nunique() == 1 else f"{task}: {variant}"
-        seed_band(ax_t, frame, "sync/bytes", color[variant], label, scale=1 / unit[1], marker=".")
+        seed_band(ax_t, frame, "sync/bytes", color[variant], label, scale=1 / unit[1], **look[variant])
     for full in sorted(data["full_bytes"].dropna().unique()):
         ax_t.axhline(full / unit[1], color="0.4", linestyle="--", linewidth=1)
     ax_t.set(yscale="log", xlabel="GRPO step", ylabel=f"sync bytes ({unit[0]}, log scale)",
