@@ -32,7 +32,10 @@ class SVDProjector:
         """New basis from the dense gradient; returns the old one (or None at the first refresh)."""
         old = self.basis
         u, _, vh = torch.linalg.svd(grad.float(), full_matrices=False)
-        self.basis = vh[: self.rank].contiguous() if self.side == "right" else u[:, : self.rank].contiguous()
+        basis = vh[: self.rank] if self.side == "right" else u[:, : self.rank]
+        # a compact copy in the factor's own (LAPACK column-major) layout: GaLore multiplies with a view of
+        # the factor, and the same operand layout makes the same BLAS call, hence the same rounding
+        self.basis = basis.t().contiguous().t() if basis.stride(0) < basis.stride(1) else basis.contiguous()
         return old
 
     def project(self, grad: torch.Tensor) -> torch.Tensor:
