@@ -182,24 +182,18 @@ def test_a_preempted_run_hands_over_to_submitits_requeue(tmp_path, monkeypatch):
     from submitit.core.job_environment import JobEnvironment
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
-    old = signal.signal(JobEnvironment._usr_sig(), submitit_handler)
-    try:
-        with pytest.raises(SystemExit):
-            job()
-    finally:
-        signal.signal(JobEnvironment._usr_sig(), old)
-    assert seen == [JobEnvironment._usr_sig()] and not (run.run_dir / DONE).exists()
-
-    # submitit's time-limit signal reaches a trainer that listens to SIGUSR1; its Preempted then requeues
-    seen.clear()
-    job = TrainJob(run.overrides, run.run_dir, train_fn="tests.launch_fakes:listening_train")
-    old = signal.signal(JobEnvironment._usr_sig(), submitit_handler)
-    try:
-        with pytest.raises(SystemExit):
-            job()
-    finally:
-        signal.signal(JobEnvironment._usr_sig(), old)
-    assert seen == [JobEnvironment._usr_sig()] and not (run.run_dir / DONE).exists()
+    # a trainer that raises Preempted by itself, then one that listens to SIGUSR1 and gets submitit's
+    # time-limit signal forwarded: either way submitit's handler requeues, and the run is not done
+    for train_fn in ("tests.launch_fakes:preempted_train", "tests.launch_fakes:listening_train"):
+        seen.clear()
+        job = TrainJob(run.overrides, run.run_dir, train_fn=train_fn)
+        old = signal.signal(JobEnvironment._usr_sig(), submitit_handler)
+        try:
+            with pytest.raises(SystemExit):
+                job()
+        finally:
+            signal.signal(JobEnvironment._usr_sig(), old)
+        assert seen == [JobEnvironment._usr_sig()] and not (run.run_dir / DONE).exists(), train_fn
     assert (run.run_dir / "told.txt").exists()  # the trainer checkpointed before submitit requeued
 
 
