@@ -136,3 +136,19 @@ def test_tensorboard_option_writes_events(tmp_path):
     pytest.importorskip("tensorboard")
     run(tmp_path, "train.steps=1", "eval.every=0", "log.tensorboard=true", name="tb")
     assert list((tmp_path / "tb" / "tb").glob("events.out.tfevents.*"))
+
+
+def test_reward_timeouts_are_logged_per_step(tmp_path, monkeypatch):
+    """A verifier that reports hard timeouts (MathVerifyReward.timeouts) gets them counted per step."""
+    from tests import toy_task
+
+    class Slow(toy_task._LengthParityReward):
+        timeouts = 0
+
+        def __call__(self, completions, references):
+            self.timeouts += 2  # two answers of this call ran past the timeout
+            return super().__call__(completions, references)
+
+    monkeypatch.setattr(toy_task.Toy, "reward_function", lambda self: Slow())
+    _, metrics = run(tmp_path, "train.steps=2", "eval.every=0")
+    assert [m["reward/timeouts"] for m in metrics] == [2.0, 2.0]

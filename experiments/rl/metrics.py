@@ -21,6 +21,7 @@ METRICS: dict[str, str] = {
     "reward/std": "std of the step's rewards",
     "reward/accuracy": "fraction of sampled completions judged correct (reward > 0.5)",
     "reward/zero_std_groups": "fraction of prompt groups whose completions all got the same reward",
+    "reward/timeouts": "completions of the step whose verification hit the hard timeout (task.reward_timeout_s) or crashed its worker; scored 0",
     "eval/accuracy": "greedy pass@1 on the held-out problems",
     "eval/num_problems": "held-out problems in the evaluation",
     "eval/len_mean": "mean completion length in tokens at evaluation",

@@ -271,6 +271,7 @@ class GRPOTrainer:
             rollouts = self.dist.generate(self.engine, self._prompts(problems), tc.group_size, self.step)
         t1 = time.perf_counter()
         references = [p.reference for p in problems for _ in range(tc.group_size)]
+        timeouts = getattr(self.reward_fn, "timeouts", None)  # answers cut off by the verifier's hard timeout so far
         rewards = torch.tensor(self.reward_fn(rollouts.texts, references), dtype=torch.float32)
         t2 = time.perf_counter()
         advantages = group_advantages(rewards, tc.group_size, tc.std_normalize)
@@ -285,6 +286,8 @@ class GRPOTrainer:
             "rollout/len_mean": float(lengths.mean()),
             "rollout/truncated_frac": float(every(rollouts.truncated.float()).mean()),
         }
+        if timeouts is not None:  # scored 0 without a verdict: a rising count means reward_timeout_s is too short
+            record["reward/timeouts"] = self.dist.all_sum(self.reward_fn.timeouts - timeouts)[0]
         self._skips = []
         with self.profiler.step(self.step + 1):
             record.update(self._optimize(rollouts, advantages, keep))
