@@ -52,4 +52,7 @@ if [ -f "$root/memory/memory.csv" ]; then
   fi
   echo "figures: $(ls "$root"/memory/*.png "$root"/memory/*.pdf "$root"/figures/*.png 2>/dev/null | tr '\n' ' ')"
 fi
+if [ -f "$root/tables/time_step.md" ]; then  # python -m experiments.time_table, rendered by the analysis step
+  echo; echo "time table ($root/tables/time_step.md, from $root/time/time.csv; figure $root/time/time.png):"; cat "$root/tables/time_step.md"
+fi
 exit $status

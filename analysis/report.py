@@ -1,7 +1,7 @@
 """Every table and figure of a results root (``python -m analysis <root>`` runs :func:`build`).
 
 Loads every run directory under the root (``analysis.load``) and ``<root>/memory/memory.csv``
-when present, then writes ``<out>/tables/<name>.md|.tex`` (and ``runs.csv``, the tidy per-step
+and ``<root>/time/time.csv`` when present, then writes ``<out>/tables/<name>.md|.tex`` (and ``runs.csv``, the tidy per-step
 DataFrame) and ``<out>/figures/<name>.png|.pdf``; ``--out`` defaults to the root. An output whose
 data is absent (no run synced weights, no memory.csv, ...) is skipped with one line saying why.
 """
@@ -14,7 +14,7 @@ from typing import Callable
 
 import pandas as pd
 
-from analysis import accuracy, kl, learning, memory, sync
+from analysis import accuracy, kl, learning, memory, steptime, sync
 from analysis.load import load_memory_csv, load_runs
 from analysis.render import Absent, Table, save_figure
 
@@ -29,6 +29,7 @@ class Results:
 TABLES: dict[str, Callable[[Results], Table]] = {
     "memory_step": lambda r: memory.step_table(r.memory),
     "memory_runs": lambda r: memory.runs_table(r.runs),
+    "time_step": lambda r: steptime.step_table(steptime.load_time_csv(r.root)),
     "accuracy": lambda r: accuracy.table(r.runs),
     "sync": lambda r: sync.table(r.runs),
     "kl": lambda r: kl.table(r.runs),

@@ -1,0 +1,50 @@
+"""The step-time table: every phase for every method, written, summarized and rendered."""
+
+import csv
+import json
+
+import pytest
+
+from experiments.time_table import DEFAULT_METHODS, PHASES, main, summarize
+
+pytestmark = pytest.mark.integration
+
+
+def test_time_table_has_every_phase_for_every_method(tmp_path, capsys):
+    out = tmp_path / "time"
+    main(["model=tiny-llama", "repeats=2", "warmup=0", f"out={out}", "logra.rank=8", "train.prompts_per_step=2",
+          "train.group_size=2", "rollout.max_new_tokens=4", "train.micro_batch_size=4", "step_control.probe_seqs=2"])
+    rows = list(csv.DictReader(open(out / "time.csv")))
+    methods = [m.strip() for m in DEFAULT_METHODS.split(",")]
+    assert {(r["method"], r["phase"]) for r in rows} == {(m, p) for m in methods for p in PHASES + ["step"]}
+    by = {(r["method"], r["phase"]): r for r in rows}
+    for m in methods:
+        assert float(by[(m, "rollout")]["median_s"]) > 0 and float(by[(m, "fwd_bwd")]["median_s"]) > 0
+        assert float(by[(m, "old_logprobs")]["median_s"]) == 0.0  # one PPO epoch: no old log-prob pass
+        phases = sum(float(by[(m, p)]["median_s"]) for p in PHASES)
+        assert phases <= float(by[(m, "step")]["max_s"]) * 1.05  # the phases fit inside the step
+        assert float(by[(m, "step")]["min_s"]) <= float(by[(m, "step")]["median_s"])
+    # step control runs the KL prediction; without it the phase is 0
+    assert float(by[("logra:step_control.enabled=true", "kl_predict")]["median_s"]) > 0
+    assert float(by[("logra:step_control.enabled=false", "kl_predict")]["median_s"]) == 0.0
+    assert float(by[("dense", "step")]["x_dense"]) == 1.0
+    meta = json.loads((out / "time.json").read_text())
+    assert meta["git_sha"] and meta["torch"] and meta["threads"] >= 1 and meta["device"] == "cpu"
+    assert all(len(v) == 2 for v in meta["samples"].values())
+    assert (out / "time.png").exists()
+    assert "× dense" in capsys.readouterr().out
+
+    from analysis.steptime import load_time_csv, step_table
+
+    table = step_table(load_time_csv(tmp_path))
+    assert list(table.shown["method"]) == methods and "kl_predict / step" in table.shown.columns
+
+
+def test_summarize_statistics():
+    samples = {"dense": [{p: 1.0 for p in PHASES + ["step"]} | {"step": s} for s in (1.0, 3.0, 2.0)],
+               "x": [{p: 0.0 for p in PHASES + ["step"]} | {"step": s} for s in (4.0, 8.0, 6.0)]}
+    rows = {(r["method"], r["phase"]): r for r in summarize(samples, "m", "cpu", "sha")}
+    assert rows[("x", "step")]["median_s"] == 6.0 and rows[("x", "step")]["x_dense"] == 3.0
+    assert (rows[("x", "step")]["min_s"], rows[("x", "step")]["max_s"]) == (4.0, 8.0)
+    assert (rows[("x", "step")]["q25_s"], rows[("x", "step")]["q75_s"]) == (5.0, 7.0)
+    assert rows[("x", "rollout")]["x_dense"] == 0.0
