@@ -255,6 +255,19 @@ def head_delta(model: nn.Module, lowrank: Optional[LowRank] = None, dense: Optio
     return found + [d for n, d in (dense or {}).items() if model.get_parameter(n) is W]
 
 
+def predict_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                     position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
+                     dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256) -> torch.Tensor:
+    """The per-token terms ½ Var_{p_t}(δz_t) [T] of :func:`predict_kl`, in the order of ``positions``
+    (row-major: all of row 0's positions first)."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("predict_kl assumes an LM head without bias")
+    h, h_dot = hidden_and_tangent(model, input_ids, attention_mask, position_ids, lowrank, dense, positions)
+    g, U = head_tangent_factors(h, h_dot, head.weight.detach(), head_delta(model, lowrank, dense))
+    return kl_terms(h, head.weight.detach(), g, U, chunk)
+
+
 def predict_kl(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
                dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256) -> float:
@@ -264,12 +277,54 @@ def predict_kl(model: nn.Module, input_ids: torch.Tensor, attention_mask: Option
     For a step s·Δ the prediction is s²·KL̂(1). The model runs as it is: eval mode (no dropout) for a
     deterministic prediction.
     """
-    head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("predict_kl assumes an LM head without bias")
-    h, h_dot = hidden_and_tangent(model, input_ids, attention_mask, position_ids, lowrank, dense, positions)
-    g, U = head_tangent_factors(h, h_dot, head.weight.detach(), head_delta(model, lowrank, dense))
-    return kl_terms(h, head.weight.detach(), g, U, chunk).mean().item()
+    return predict_kl_terms(model, input_ids, attention_mask, position_ids, lowrank, dense, positions, chunk).mean().item()
+
+
+def sampled_mean(terms: torch.Tensor, rows: torch.Tensor, population: int) -> tuple[float, float]:
+    """The batch's mean token KL from the probe's per-token terms, and its standard error.
+
+    The probe holds n of the batch's ``population`` sequences, drawn at random without replacement;
+    ``rows[t]`` is token t's probe row. The estimate is the ratio estimator mean = Σ_i S_i / Σ_i n_i
+    (S_i, n_i: row i's sum of terms and token count), the token mean of the probe. Its standard error
+    as an estimate of the same mean over every sequence of the batch (Cochran, *Sampling
+    Techniques*, 1977, §6.4: ratio estimator, finite population) is
+
+        se = √((1 − n/N) / n) · sd_i(S_i − mean·n_i) / mean_i(n_i).
+
+    Rows, not tokens, are the sampled units (the tokens of one sequence are correlated). n = N gives
+    se = 0 (the whole batch is probed); n = 1 gives NaN (one row says nothing about the spread).
+    """
+    terms = terms.double()
+    n = int(rows.max()) + 1 if rows.numel() else 0
+    if n == 0:
+        return 0.0, 0.0
+    S = torch.zeros(n, dtype=torch.float64, device=terms.device).index_add_(0, rows, terms)
+    counts = torch.bincount(rows, minlength=n).to(torch.float64)
+    mean = float(S.sum() / counts.sum())
+    if n >= population:
+        return mean, 0.0
+    if n < 2:
+        return mean, float("nan")
+    resid = S - mean * counts
+    se = ((1 - n / population) / n) ** 0.5 * float(resid.std()) / float(counts.mean())
+    return mean, se
+
+
+def predict_kl_sampled(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                       position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
+                       dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
+                       population: Optional[int] = None) -> tuple[float, float]:
+    """(KL̂(1), its standard error) for a probe of ``input_ids.shape[0]`` sequences drawn from a batch
+    of ``population`` (default: the probe is the batch, se = 0); see :func:`sampled_mean`.
+
+    The prediction on the probe is the exact path's (:func:`predict_kl`); only its reading as the
+    batch's KL carries a sampling error, stated by se. ``positions`` is required (the response tokens).
+    """
+    if positions is None:
+        raise ValueError("predict_kl_sampled needs positions (the probe's response tokens)")
+    terms = predict_kl_terms(model, input_ids, attention_mask, position_ids, lowrank, dense, positions, chunk)
+    rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)[positions]
+    return sampled_mean(terms, rows.to(terms.device), population or positions.shape[0])
 
 
 def exact_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W_new: torch.Tensor,

@@ -48,7 +48,7 @@ from experiments.rl.rollout import Rollouts, build_engine
 from experiments.rl.sync_engines import PolicyFactory
 from experiments.rl import vllm_engine  # noqa: F401  (registers rollout.engine=vllm; imports vllm only when used)
 from experiments.rl.tasks import build_task, format_prompt
-from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl
+from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl_sampled
 from logra_core.step_control import step_scale
 from logra_core.sync import SyncSender, full_bytes
 
@@ -398,14 +398,17 @@ class GRPOTrainer:
         inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
         weight = float(inputs["positions"].sum()) if inputs else 0.0
         with self._phase("kl_predict"):
-            predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk) if inputs else 0.0
+            predicted, stderr = predict_kl_sampled(self.model, **inputs, lowrank=update.lowrank, dense=update.dense,
+                                                   chunk=sc.chunk, population=len(rows)) if inputs else (0.0, 0.0)
         predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
+        stderr = self.dist.weighted_mean(stderr, weight)  # the sampling error of reading it as the batch's KL
         scale = step_scale(predicted, sc.target_kl)
         if sc.measure_realized and inputs:
             head = self.model.get_output_embeddings().weight
             h_old, w_old = hidden_states(self.model, **inputs), head.detach().clone()
         self.method.apply(update, scale)
-        stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale})
+        stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale,
+                      "kl/predicted_stderr": stderr})
         if sc.measure_realized:
             realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs), head.detach(), sc.chunk).mean()) if inputs else 0.0
             stats["kl/realized"] = self.dist.weighted_mean(realized, weight)
