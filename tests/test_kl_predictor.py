@@ -245,3 +245,56 @@ def test_triton_kernel_on_cuda(dtype):
     out = kl_terms(h, W, g, U)  # dispatches to the kernel
     ref = kl_terms_reference(h.float(), W.float(), [x.float() for x in g], [x.float() for x in U], chunk=64)
     torch.testing.assert_close(out, ref, rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-6)
+
+
+# ---- the sampled probe: its stated standard error ----------------------------------------------
+def test_sampled_mean_standard_error_equals_the_exact_sampling_variance():
+    """Rows of equal length: the estimator is the mean of the drawn rows' means, whose variance over all
+    C(N, n) draws is (1 − n/N) s²/n exactly (s²: the rows' variance); E[se²] over the draws equals it."""
+    from itertools import combinations
+
+    from logra_core.kl_predictor import sampled_mean
+
+    N, n, L = 6, 3, 4
+    terms_by_row = torch.rand(N, L, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    estimates, se2 = [], []
+    for rows in combinations(range(N), n):
+        t = terms_by_row[list(rows)].reshape(-1)
+        r = torch.arange(n).repeat_interleave(L)
+        mean, se = sampled_mean(t, r, N)
+        assert abs(mean - float(t.mean())) < 1e-12
+        estimates.append(mean)
+        se2.append(se**2)
+    exact_var = (1 - n / N) * float(terms_by_row.mean(1).var()) / n
+    assert abs(float(torch.tensor(estimates, dtype=torch.float64).var(unbiased=False)) / exact_var - 1) < 1e-9
+    assert abs(sum(se2) / len(se2) / exact_var - 1) < 1e-9
+    full, se_full = sampled_mean(terms_by_row.reshape(-1), torch.arange(N).repeat_interleave(L), N)
+    assert se_full == 0.0 and abs(full - float(terms_by_row.mean())) < 1e-12
+    assert sampled_mean(terms_by_row[0], torch.zeros(L, dtype=torch.long), N)[1] != sampled_mean(terms_by_row[0], torch.zeros(L, dtype=torch.long), N)[1]  # NaN
+
+
+def test_sampled_probe_error_within_its_stated_standard_error():
+    """The cheaper path on a tiny Llama: probes of 4 of 12 rows predict the whole batch's KL̂ within the
+    error they state (RMS error / RMS stated se near 1, most draws within 2 se); the whole batch is exact."""
+    from logra_core.kl_predictor import predict_kl_sampled
+
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 128, (12, 10), generator=gen)
+    mask = torch.ones_like(ids)
+    positions = torch.zeros_like(ids, dtype=torch.bool)
+    positions[:, 4:] = True
+    lowrank, dense = make_update(model, "mixed", scale=0.1)
+    full, se_full = predict_kl_sampled(model, ids, mask, None, lowrank, dense, positions, population=12)
+    assert se_full == 0.0 and abs(full / predict_kl(model, ids, mask, None, lowrank, dense, positions) - 1) < 1e-12
+    errors, ses = [], []
+    for d in range(16):
+        rows = torch.randperm(12, generator=torch.Generator().manual_seed(d))[:4]
+        got, se = predict_kl_sampled(model, ids[rows], mask[rows], None, lowrank, dense, positions[rows], population=12)
+        errors.append(got - full)
+        ses.append(se)
+    errors, ses = torch.tensor(errors), torch.tensor(ses)
+    assert (ses > 0).all()
+    ratio = float(errors.square().mean().sqrt() / ses.square().mean().sqrt())
+    assert 0.5 < ratio < 2.0, ratio
+    assert float((errors.abs() <= 2 * ses).float().mean()) >= 0.75, (errors / ses).tolist()

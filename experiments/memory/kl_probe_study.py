@@ -1,0 +1,189 @@
+"""How the KL prediction's error and cost depend on the probe: probe size → |predicted − exact| / exact
+on the whole batch, and → time.
+
+    python -m experiments.memory.kl_probe_study [model=smollm2-135m-instruct] [seqs=32] [group=4]
+        [max_new_tokens=64] [probe_seqs=1,2,4,8,16,32] [draws=4] [chunks=64,256] [dtypes=float32,bfloat16]
+        [target_kl=0.01] [out=results/time_table/probe_study] [run-config key=value ...]
+
+One logra update on a real rollout batch (``seqs`` completions of ``seqs/group`` arith prompts sampled
+from the model, advantages from seeded signs): the update is proposed, its step s chosen so the
+whole-batch prediction lands on κ (``target_kl``; s ≤ 1), and the exact mean token KL of the applied
+step s·Δ over every response token of the batch is measured (``exact_kl``, one forward before and
+after; the weights are restored afterwards). Then for each probe size n, ``draws`` random probes of n
+rows (seeded, without replacement) are predicted with :func:`logra_core.kl_predictor.predict_kl_sampled`
+(the exact path's prediction on the probe, and its stated standard error as an estimate of the whole
+batch); the whole batch (n = seqs) is also predicted with every ``chunks`` size and ``dtypes`` (the
+model copied to bf16). Each row: the prediction s²·KL̂, the stated se, the exact KL, the relative
+error to the exact KL (second-order error + sampling) and to the whole-batch prediction (sampling
+alone), whether the error is within 2 se, the predictor's seconds and that time in forwards of the
+whole batch (one no-grad forward of all ``seqs`` rows, timed here) and as a fraction of the batch's
+forward+backward (timed here too). Times are only meaningful on quiet cores.
+
+Writes ``<out>/probe_study.csv``, ``probe_study.json`` (command, git sha, settings) and
+``probe_study.png``/``.pdf``; prints a summary per probe size.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+KEYS = {"model": "smollm2-135m-instruct", "seqs": "32", "group": "4", "max_new_tokens": "64",
+        "probe_seqs": "1,2,4,8,16,32", "draws": "4", "chunks": "64,256", "dtypes": "float32,bfloat16",
+        "target_kl": "0.01", "out": "results/time_table/probe_study", "seed": "0"}
+COLUMNS = ["probe_seqs", "probe_tokens", "chunk", "dtype", "draw", "predicted", "stderr", "exact", "rel_err_exact",
+           "predicted_full", "rel_err_sampling", "within_2se", "time_s", "forwards", "of_fwd_bwd", "scale"]
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
+    from experiments.config import build_config
+    from experiments.rl.trainer import GRPOTrainer, probe_inputs
+    from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl_sampled
+
+    seqs, group = int(args["seqs"]), int(args["group"])
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = build_config(["method=logra", f"model={args['model']}", f"out_dir={tmp}/run", "log.progress=false",
+                            "eval.every=0", f"rollout.max_new_tokens={args['max_new_tokens']}", f"seed={args['seed']}",
+                            *overrides])
+        tr = GRPOTrainer(cfg)
+        model = tr.model
+        torch.manual_seed(int(args["seed"]))
+        rollouts = tr.engine.generate(tr._prompts(tr.train_problems[: seqs // group]), group)
+        n_seqs = len(rollouts)
+        g = torch.Generator().manual_seed(int(args["seed"]))
+        advantages = torch.where(torch.rand(n_seqs, generator=g) < 0.5, -1.0, 1.0)
+        rows = torch.arange(n_seqs)
+        micro = [rows[i: i + tr.cfg.train.micro_batch_size] for i in range(0, n_seqs, tr.cfg.train.micro_batch_size)]
+        tr.method.zero_grad()
+        _, fwd_bwd_s = _timed(lambda: tr.accumulate_gradients(rollouts, advantages, micro))
+        update, _ = tr.method.propose()
+        full = probe_inputs(rollouts, tr.device)
+        (h_old, forward_s) = _timed(lambda: hidden_states(model, **full))
+        pred_full, _ = predict_kl_sampled(model, **full, lowrank=update.lowrank, dense=update.dense, chunk=64)
+        kappa = float(args["target_kl"])
+        scale = min(1.0, (kappa / pred_full) ** 0.5) if pred_full > 0 else 1.0
+        head = model.get_output_embeddings().weight
+        w_old = head.detach().clone()
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        tr.method.apply(update, scale)
+        exact = float(exact_kl(h_old, w_old, hidden_states(model, **full), head.detach(), 64).mean())
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(saved[n])
+        del saved
+        out = []
+
+        def record(n, idx, chunk, dtype, draw, m=model):
+            inputs = probe_inputs(rollouts.select(idx), tr.device)
+            (pred, se), secs = _timed(lambda: predict_kl_sampled(m, **inputs, lowrank=update.lowrank, dense=update.dense,
+                                                                 chunk=chunk, population=n_seqs))
+            s2 = scale ** 2
+            out.append({"probe_seqs": n, "probe_tokens": int(inputs["positions"].sum()), "chunk": chunk, "dtype": dtype,
+                        "draw": draw, "predicted": pred * s2, "stderr": se * s2, "exact": exact,
+                        "rel_err_exact": abs(pred * s2 - exact) / exact, "predicted_full": pred_full * s2,
+                        "rel_err_sampling": abs(pred - pred_full) / pred_full,
+                        "within_2se": bool(abs(pred - pred_full) <= 2 * se) if se == se else "",
+                        "time_s": secs, "forwards": secs / forward_s, "of_fwd_bwd": secs / fwd_bwd_s, "scale": scale})
+            print(f"[probe_study] n={n} draw={draw} chunk={chunk} {dtype}: rel err {out[-1]['rel_err_exact']:.3f} "
+                  f"(sampling {out[-1]['rel_err_sampling']:.3f}, se/mean {se / pred if pred else 0:.3f}) {secs:.2f} s", flush=True)
+
+        sizes = [int(x) for x in args["probe_seqs"].split(",") if x]
+        for n in sizes:
+            if n >= n_seqs:
+                continue
+            for d in range(int(args["draws"])):
+                idx = torch.randperm(n_seqs, generator=torch.Generator().manual_seed(1000 * n + d))[:n].sort().values
+                record(n, idx, 64, "float32", d)
+        for chunk in [int(x) for x in args["chunks"].split(",") if x]:
+            record(n_seqs, rows, chunk, "float32", 0)
+        for dtype in [x for x in args["dtypes"].split(",") if x and x != "float32"]:
+            low = copy.deepcopy(model).to(getattr(torch, dtype))
+            record(n_seqs, rows, 64, dtype, 0, m=low)
+            del low
+        tr.close()
+    meta = {"n_seqs": n_seqs, "response_tokens": int(full["positions"].sum()), "forward_s": forward_s,
+            "fwd_bwd_s": fwd_bwd_s, "predicted_full_unit_step": pred_full, "scale": scale, "exact": exact}
+    return out, meta
+
+
+def figure(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fp = [r for r in rows if r["dtype"] == "float32" and r["chunk"] == 64]
+    sizes = sorted({r["probe_seqs"] for r in fp})
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for key, label in (("rel_err_exact", "vs exact KL of the batch"), ("rel_err_sampling", "vs whole-batch prediction")):
+        med = [statistics.median(r[key] for r in fp if r["probe_seqs"] == n) for n in sizes]
+        mx = [max(r[key] for r in fp if r["probe_seqs"] == n) for n in sizes]
+        a1.plot(sizes, med, "o-", label=f"median, {label}")
+        a1.plot(sizes, mx, "x--", label=f"max, {label}")
+    a1.set_xscale("log", base=2)
+    a1.set_yscale("symlog", linthresh=1e-3)
+    a1.set_xlabel("probe sequences")
+    a1.set_ylabel("|predicted − reference| / reference")
+    a1.legend(fontsize=7)
+    a2.plot(sizes, [statistics.median(r["of_fwd_bwd"] for r in fp if r["probe_seqs"] == n) for n in sizes], "o-")
+    a2.set_xscale("log", base=2)
+    a2.set_xlabel("probe sequences")
+    a2.set_ylabel("predictor time / batch fwd+bwd time")
+    fig.tight_layout()
+    for ext in ("png", "pdf"):
+        fig.savefig(out / f"probe_study.{ext}")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+        return 0
+    args, overrides = dict(KEYS), []
+    for a in argv:
+        key, eq, value = a.partition("=")
+        if not eq:
+            raise SystemExit(f"expected key=value, got {a!r} (see --help)")
+        (args.__setitem__(key, value) if key in KEYS else overrides.append(a))
+    from experiments.rl.trainer import git_sha
+
+    rows, meta = run(args, overrides)
+    out = Path(args["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "probe_study.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    (out / "probe_study.json").write_text(json.dumps({
+        "command": "python -m experiments.memory.kl_probe_study " + " ".join(argv), "git_sha": git_sha(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "settings": args, "overrides": overrides,
+        **meta}, indent=1))
+    figure(rows, out)
+    print(f"{'probe seqs':>10}{'tokens':>8}{'med err':>9}{'max err':>9}{'med samp':>9}{'in 2se':>7}{'fwds':>7}{'/fwd_bwd':>9}")
+    for n in sorted({r["probe_seqs"] for r in rows}):
+        rs = [r for r in rows if r["probe_seqs"] == n and r["dtype"] == "float32" and r["chunk"] == 64]
+        inside = [r["within_2se"] for r in rs if r["within_2se"] != ""]
+        print(f"{n:>10}{rs[0]['probe_tokens']:>8}{statistics.median(r['rel_err_exact'] for r in rs):>9.3f}"
+              f"{max(r['rel_err_exact'] for r in rs):>9.3f}{statistics.median(r['rel_err_sampling'] for r in rs):>9.3f}"
+              f"{(f'{sum(inside)}/{len(inside)}' if inside else '-'):>7}"
+              f"{statistics.median(r['forwards'] for r in rs):>7.2f}{statistics.median(r['of_fwd_bwd'] for r in rs):>9.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
