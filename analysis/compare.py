@@ -12,7 +12,8 @@
   without memory.csv in either root, the runs' own largest ``mem/peak_bytes``;
 - time — per task × method variant, the median ``time/step_s`` over the steps of the runs (mean
   over seeds), ratio = this / reference; and, when either root has it, ``<root>/time/time.csv``
-  (a time table: its text columns name a row, each numeric column is compared as this / reference).
+  (``python -m experiments.time_table out=<root>/time``: per method, the whole step's median seconds
+  and × dense, as this / reference).
 
 A row present in one root only is shown with "—" on the other side. Seconds depend on the machine
 and on what else ran on it: a time ratio far from 1 says "look", not "slower code".
@@ -29,7 +30,9 @@ from analysis import accuracy, memory
 from analysis.load import load_memory_csv, load_runs
 from analysis.render import GROUP, Absent, Table, fmt, fmt_g
 
-TIME_CSV = Path("time") / "time.csv"
+TIME_CSV = Path("time") / "time.csv"  # python -m experiments.time_table out=<root>/time
+TIME_HEADLINE = ["median_s", "x_dense"]  # the time table's columns worth a comparison, when it has them
+TIME_PROVENANCE = {"git_sha", "time", "command"}  # text columns that do not name a row
 
 
 def _pp(value) -> str:
@@ -147,19 +150,26 @@ def read_time_csv(root: Path) -> pd.DataFrame | None:
 
 
 def time_csv_table(this_root: Path, ref_root: Path) -> Table:
-    """``<root>/time/time.csv`` of both roots: text columns name a row, numeric ones are compared."""
+    """``<root>/time/time.csv`` of both roots (``python -m experiments.time_table out=<root>/time``):
+    its text columns but :data:`TIME_PROVENANCE` name a row, the :data:`TIME_HEADLINE` columns (else
+    every numeric one) are compared; of a per-phase table only the whole step's rows are shown."""
     a, b = read_time_csv(this_root), read_time_csv(ref_root)
     if a is None and b is None:
         raise Absent(f"no {TIME_CSV} in either root")
     frames = [f for f in (a, b) if f is not None]
+    if all("phase" in f and (f["phase"] == "step").any() for f in frames):
+        a, b = (f[f["phase"] == "step"] if f is not None else None for f in (a, b))
+        frames = [f for f in (a, b) if f is not None]
     numeric = [c for c in frames[0].columns if all(c in f and pd.api.types.is_numeric_dtype(f[c]) for f in frames)]
-    keys = [c for c in frames[0].columns if c not in numeric and all(c in f for f in frames)]
+    keys = [c for c in frames[0].columns
+            if c not in numeric and c not in TIME_PROVENANCE and all(c in f for f in frames)]
+    shown_cols = [c for c in TIME_HEADLINE if c in numeric] or numeric
     if not keys:
         raise Absent(f"{TIME_CSV}: no text column to match rows on")
-    data = _side_by_side(a[keys + numeric] if a is not None else None,
-                         b[keys + numeric] if b is not None else None, keys)
+    data = _side_by_side(a[keys + shown_cols] if a is not None else None,
+                         b[keys + shown_cols] if b is not None else None, keys)
     shown = data[keys].astype(str).copy()
-    for c in numeric:
+    for c in shown_cols:
         this, ref = data[f"{c}_this"], data[f"{c}_ref"]
         shown[f"{c} this"] = [fmt_g(v, 4) for v in this]
         shown[f"{c} ref"] = [fmt_g(v, 4) for v in ref]

@@ -117,6 +117,16 @@ def test_time_csv_is_compared_when_present(roots, tmp_path):
     both = compare.time_csv_table(tmp_path, this).shown.set_index("method")
     assert both.loc["dense", "step_s this/ref"] == "0.67" and both.loc["dense", "tokens_per_s this/ref"] == "1.50"
     assert both.loc["logra", "step_s this/ref"] == "—"
+    # the time table's own layout: one row per method and phase, a git sha per row
+    header = "method,model,device,phase,median_s,q25_s,x_dense,git_sha\n"
+    (tmp_path / "time" / "time.csv").write_text(header + "dense,m,cpu,rollout,4.0,3.9,1.0,aaa\ndense,m,cpu,step,10.0,9.0,1.0,aaa\n"
+                                                "logra,m,cpu,step,12.0,11.0,1.2,aaa\n")
+    (this / "time" / "time.csv").write_text(header + "dense,m,cpu,step,8.0,7.0,1.0,bbb\nlogra,m,cpu,step,12.0,11.5,1.5,bbb\n")
+    table = compare.time_csv_table(tmp_path, this)
+    shown = table.shown.set_index("method")
+    assert list(shown.index) == ["dense", "logra"] and set(shown["phase"]) == {"step"}  # the whole step only
+    assert shown.loc["dense", "median_s this/ref"] == "1.25" and shown.loc["logra", "x_dense this/ref"] == "0.80"
+    assert "q25_s this" not in shown.columns and "git_sha" not in shown.columns
 
 
 def test_report_names_both_roots_and_where_the_figures_are(roots, tmp_path, capsys):
