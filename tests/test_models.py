@@ -74,3 +74,22 @@ def test_an_architecture_without_sdpa_falls_back_to_eager(tmp_path, capsys):
     model, _ = load_model(ModelConfig(name=str(tmp_path / "g")))
     assert model.config._attn_implementation == "eager"
     assert "using attn_implementation=eager" in capsys.readouterr().out
+
+
+def test_random_preset_model_has_the_preset_shapes():
+    """``random:<preset>``: a random model of the planner preset's architecture, seeded, with the tokenizer
+    (scripts/gpu_check_speed.sh loads random:qwen2.5-0.5b the same way)."""
+    import json
+
+    from experiments.rl.models import MODELS, PRESET_DIR
+
+    assert "random:qwen2.5-0.5b" in MODELS
+    preset = json.loads((PRESET_DIR / "tiny-llama.json").read_text())
+    model, tok = load_model(ModelConfig(name="random:tiny-llama", dtype="bfloat16"))
+    c = model.config
+    assert (c.model_type, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_key_value_heads, c.vocab_size) == \
+        ("llama", preset["hidden_size"], preset["intermediate_size"], preset["num_hidden_layers"],
+         preset["num_key_value_heads"], preset["vocab_size"])
+    assert model.dtype == torch.bfloat16 and c.tie_word_embeddings and c.eos_token_id == tok.eos_token_id
+    other, _ = load_model(ModelConfig(name="random:tiny-llama", dtype="bfloat16"))
+    assert torch.equal(model.model.embed_tokens.weight, other.model.embed_tokens.weight)  # seeded by init_seed
