@@ -394,7 +394,7 @@ class GRPOTrainer:
         update, stats = self.method.propose()
         if self._skip_if_nonfinite(update_nonfinite(update)):
             return None
-        probe = rows[: -(-sc.probe_seqs // self.dist.world_size)]  # each rank probes its share
+        probe = rows[: -(-sc.probe_rows(len(rows) * self.dist.world_size) // self.dist.world_size)]  # each rank probes its share
         inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
         weight = float(inputs["positions"].sum()) if inputs else 0.0
         with self._phase("kl_predict"):
