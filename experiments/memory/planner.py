@@ -261,7 +261,10 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
                       options={key: v for key, v in opts.items() if key in cls.plan_option_names})
     A.append("AdamW state per trained element: " + ("fp32 master + two fp32 moments (12 B)" if master
                                                     else f"two moments in the weight dtype ({2 * b} B), no master"))
-    mt = cls.memory_terms(ctx)
+    try:
+        mt = cls.memory_terms(ctx)
+    except NotImplementedError as e:
+        raise ValueError(str(e)) from None
     A += mt.assumptions
     persist: list[Term] = [Term("params", "weights", s.total * b // shard_p, f"{s.total:,} x {b} B")]  # alive for the whole step
     persist += mt.state
