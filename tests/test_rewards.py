@@ -12,6 +12,8 @@ import pytest
 
 from experiments.rl.rewards import BoundedPool, MathVerifyReward, extract_answer, score
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 2.0
 SLACK_S = 3.0  # process replacement + scheduling on a loaded 2-core CI box
@@ -206,6 +208,7 @@ def test_raising_or_dying_calls_get_default(misbehaving, fn, kills):
         pool.close()
 
 
+@pytest.mark.integration
 def test_workers_die_with_the_interpreter():
     code = textwrap.dedent("""
         from experiments.rl.rewards import MathVerifyReward

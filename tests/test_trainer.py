@@ -13,6 +13,8 @@ from experiments.rl.trainer import GRPOTrainer
 from tests.conftest import TINY
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
+pytestmark = pytest.mark.integration
+
 
 def run(tmp_path, *overrides, name="run"):
     cfg = build_config([*TINY, f"out_dir={tmp_path / name}", *overrides])
