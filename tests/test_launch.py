@@ -248,6 +248,7 @@ def test_slurm_submission_script_is_rendered_for_a_sample_config(tmp_path):
     assert "-m submitit.core._submit" in script and str(run.run_dir / "submitit") in script
 
 
+@pytest.mark.integration  # slow for the unit tier (see --durations)
 def test_paper_profile_dry_run_lists_its_jobs(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a dry run must not download anything
     assert launch.main(["sweep=paper", f"root={tmp_path}", "--dry-run"]) == 0

@@ -154,6 +154,7 @@ SHARED = Path(os.environ.get("LOGRA_DATA_DIR", ROOT.parent / "shared" / "data"))
 SHARED = SHARED if SHARED.is_absolute() else ROOT / SHARED
 
 
+@pytest.mark.integration  # slow for the unit tier (see --durations)
 @pytest.mark.skipif(not (SHARED / "math500" / "test.jsonl").is_file(), reason=f"no benchmark data at {SHARED}")
 def test_every_math500_reference_verifies_against_itself(reward):
     from experiments.rl.tasks import TaskConfig, build_task

@@ -58,6 +58,7 @@ def deliver(opt, sender):
     return sender.delta(opt.last_lowrank, opt.last_changed, opt.masters())
 
 
+@pytest.mark.integration  # slow for the unit tier (see --durations)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_twenty_logra_steps_stay_bit_equal(dtype, variant):
