@@ -12,7 +12,7 @@ import pytest
 
 from experiments.rl.rewards import BoundedPool, MathVerifyReward, extract_answer, score
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # math-verify runs in worker processes, with wall-clock bounds
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 2.0
@@ -77,6 +77,7 @@ def test_batch_preserves_order(reward):
     assert reward(list(completions), list(references)) == list(expected)
 
 
+@pytest.mark.unit  # string parsing only, in this process
 @pytest.mark.parametrize("completion,expected", [
     ("a \\boxed{x^{2}} b", "\\boxed{x^{2}}"),
     ("\\boxed{\\boxed{1}}", "\\boxed{\\boxed{1}}"),  # the outer box closes last
@@ -154,7 +155,6 @@ SHARED = Path(os.environ.get("LOGRA_DATA_DIR", ROOT.parent / "shared" / "data"))
 SHARED = SHARED if SHARED.is_absolute() else ROOT / SHARED
 
 
-@pytest.mark.integration  # slow for the unit tier (see --durations)
 @pytest.mark.skipif(not (SHARED / "math500" / "test.jsonl").is_file(), reason=f"no benchmark data at {SHARED}")
 def test_every_math500_reference_verifies_against_itself(reward):
     from experiments.rl.tasks import TaskConfig, build_task
@@ -209,7 +209,6 @@ def test_raising_or_dying_calls_get_default(misbehaving, fn, kills):
         pool.close()
 
 
-@pytest.mark.integration
 def test_workers_die_with_the_interpreter():
     code = textwrap.dedent("""
         from experiments.rl.rewards import MathVerifyReward
