@@ -74,15 +74,3 @@ def test_no_method_name_is_compared_outside_its_own_file():
                     bad.append(f"{rel}:{line}: {name!r}")
     assert not bad, ("method names compared outside the method's own file (ask the registry: a Method attribute, "
                      "its memory_terms, plan_options or metrics): " + ", ".join(bad))
-
-
-def test_the_planner_and_the_method_vocabulary_import_without_torch():
-    """Methods declare their memory terms with baselines.memory_terms; importing the planner (and
-    that vocabulary) must not pull torch or the methods in (plan() does, to ask the registry)."""
-    import subprocess
-    import sys
-
-    code = ("import sys, experiments.memory.planner, baselines.memory_terms; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('baselines.') and m != 'baselines.memory_terms'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
-    assert out.strip() == "[]", out

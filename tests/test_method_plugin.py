@@ -131,3 +131,15 @@ def test_command_line_registers_a_plugin_by_module_name(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "experiments.train", "--show", "method=sgd"], capture_output=True,
                              text=True, env={**env, "LOGRA_PLUGINS": "no_such_plugin"}, cwd=REPO)
     assert missing.returncode != 0 and "LOGRA_PLUGINS names module 'no_such_plugin'" in missing.stderr
+
+
+def test_the_planner_and_the_method_vocabulary_import_without_torch():
+    """Methods declare their memory terms with baselines.memory_terms; importing the planner (and
+    that vocabulary) must not pull torch or the methods in (plan() does, to ask the registry)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, experiments.memory.planner, baselines.memory_terms; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('baselines.') and m != 'baselines.memory_terms'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.strip() == "[]", out
