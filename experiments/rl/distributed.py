@@ -19,6 +19,13 @@ Strategies (``dist.strategy``, registry :data:`STRATEGIES`):
   reduce-scatters the dense gradients in backward; ``logra``'s sketches are all-reduced once per
   step and each rank's RowAdam update D_k A touches only its own rows (A rebuilt from its seed).
   Rollouts and evaluation run on the whole weights (gathered once per phase, then resharded).
+  The chunked LM head (``train.logprob_chunk > 0``) runs inside the root module's forward
+  (:func:`through_root`), where FSDP gathers the head and embedding and from which its backward
+  reduce-scatters their gradients: no tokens × vocab logits exist on any rank. Step control
+  (:meth:`FSDP2.predict_kl`) predicts on the gathered weights: each rank's low-rank hooks get a
+  layer's whole D (an all-gather of the m × r factor rows) and A from its seed, the dense Δ of
+  sharded tensors is gathered, each rank probes its share and the prediction is the token-weighted
+  mean over ranks, as under ddp.
 * ``deepspeed`` — DeepSpeed ZeRO (``dist.deepspeed_config``, default ``zero2``) wraps methods whose
   optimizer acts elementwise on the trainable tensors (``Method.elementwise_optimizer``: dense
   AdamW). ``logra`` is refused: ZeRO flattens the parameters into per-rank partitions and steps the
@@ -42,6 +49,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from experiments.rl.checkpoint import list_checkpoints
 
@@ -95,6 +103,31 @@ def build_strategy(cfg, method_cls) -> "DataParallel":
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def through_root(model: nn.Module, fn: Callable, **kwargs):
+    """``fn(**kwargs)`` run as the forward of ``model`` when it is an FSDP2 module, else called directly.
+
+    FSDP2 gathers the root's own parameters (embedding, final norm, LM head) in the root's
+    forward pre-hook and reduce-scatters their gradients after the backward through that forward's
+    output. A computation that calls the decoder and the head weight itself (the chunked LM head)
+    therefore has to *be* the root's forward: the instance's ``forward`` is swapped for ``fn`` for
+    the call, so FSDP's hooks (registered on the module, not on its forward) run around it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return fn(**kwargs)
+    had = "forward" in vars(model)
+    previous = vars(model).get("forward")
+    model.forward = fn
+    try:
+        return model(**kwargs)
+    finally:
+        if had:
+            model.forward = previous
+        else:
+            del model.forward
 
 
 class _NullWriter:
@@ -236,6 +269,15 @@ class DataParallel:
         """Context in which ``model`` holds its whole weights (rollouts, evaluation)."""
         return nullcontext()
 
+    def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int) -> float:
+        """This rank's predicted KL of ``update`` on its probe ``inputs`` (0.0 without a probe); a
+        collective wherever the weights are sharded, so every rank calls it."""
+        from logra_core.kl_predictor import predict_kl
+
+        if not inputs:
+            return 0.0
+        return predict_kl(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk)
+
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
         """Micro-batches padded (with repeats of a real row, trained with weight 0) to the largest
         count on any rank, where every forward/backward is a collective (FSDP); else unchanged."""
@@ -272,14 +314,7 @@ class FSDP2(DataParallel):
     """``torch.distributed.fsdp.fully_shard`` on each decoder layer and the root (rows sharded)."""
 
     requires_shared_engine = True
-    step_control_ok = False
     resumable = False
-
-    def check(self, cfg, method_cls) -> None:
-        super().check(cfg, method_cls)
-        if cfg.train.logprob_chunk > 0:
-            raise ValueError("dist.strategy=fsdp2 needs train.logprob_chunk=0: the chunked LM-head path calls the decoder "
-                             "and the head's weight directly, outside the root module's forward, where FSDP gathers them")
 
     def wrap(self, model: nn.Module, method) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -318,6 +353,24 @@ class FSDP2(DataParallel):
             for m in modules:
                 m.reshard()
                 m.set_reshard_after_forward(True, recurse=False)
+
+    def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int) -> float:
+        """The KL predictor on the gathered weights (a collective: every rank calls it, with or
+        without a probe). A low-rank ΔW = D A of a row-sharded weight enters with its whole D, the
+        ranks' rows all-gathered (m × r: small), and the same A on every rank (rebuilt from the
+        seed); a dense Δ that is a row-sharded DTensor is gathered whole."""
+        from logra_core.distributed import gather_rows
+        from logra_core.kl_predictor import predict_kl
+
+        if not self.distributed:
+            return super().predict_kl(model, inputs, update, chunk)
+        lowrank = {}
+        for name, (D, A) in update.lowrank.items():
+            weight = model.get_submodule(name).weight
+            lowrank[name] = (gather_rows(D, weight), A)
+        dense = {name: (d.full_tensor() if isinstance(d, DTensor) else d) for name, d in update.dense.items()}
+        with self.full_weights(model):  # gathering is a collective: ranks without a probe take part
+            return predict_kl(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk) if inputs else 0.0
 
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
         most = self._max(len(micro))

@@ -48,7 +48,7 @@ from experiments.rl.rollout import Rollouts, build_engine
 from experiments.rl.sync_engines import PolicyFactory
 from experiments.rl import vllm_engine  # noqa: F401  (registers rollout.engine=vllm; imports vllm only when used)
 from experiments.rl.tasks import build_task, format_prompt
-from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl
+from logra_core.kl_predictor import exact_kl, hidden_states
 from logra_core.step_control import step_scale
 from logra_core.sync import SyncSender, full_bytes
 
@@ -397,17 +397,21 @@ class GRPOTrainer:
         probe = rows[: -(-sc.probe_seqs // self.dist.world_size)]  # each rank probes its share
         inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
         weight = float(inputs["positions"].sum()) if inputs else 0.0
-        with self._phase("kl_predict"):
-            predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk) if inputs else 0.0
+        with self._phase("kl_predict"):  # a collective where the weights are sharded: every rank calls it
+            predicted = self.dist.predict_kl(self.model, inputs, update, sc.chunk)
         predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
         scale = step_scale(predicted, sc.target_kl)
-        if sc.measure_realized and inputs:
-            head = self.model.get_output_embeddings().weight
-            h_old, w_old = hidden_states(self.model, **inputs), head.detach().clone()
+        if sc.measure_realized:
+            with self.dist.full_weights(self.model):
+                if inputs:
+                    head = self.model.get_output_embeddings().weight
+                    h_old, w_old = hidden_states(self.model, **inputs), head.detach().clone()
         self.method.apply(update, scale)
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale})
         if sc.measure_realized:
-            realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs), head.detach(), sc.chunk).mean()) if inputs else 0.0
+            with self.dist.full_weights(self.model):
+                realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs),
+                                          self.model.get_output_embeddings().weight.detach(), sc.chunk).mean()) if inputs else 0.0
             stats["kl/realized"] = self.dist.weighted_mean(realized, weight)
         return stats
 
