@@ -22,6 +22,7 @@ from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 BASE = [*TINY, "train.steps=3", "eval.every=0", "threads=1", "dist.seeded_groups=true", "train.logprob_chunk=0"]
 LOGRA = ["method=logra", "logra.rank=8", "logra.lr=1e-3"]
 DENSE = ["method=dense", "dense.lr=1e-3"]
+FSDP2_LOGRA = ["step_control.target_kl=1e-4", "step_control.measure_realized=true", "train.logprob_chunk=64"]
 
 
 def torchrun(runs: list[list[str]], timeout: int = 600) -> None:
@@ -56,28 +57,48 @@ def runs(tmp_path_factory):
     cases = {
         "logra_ddp": [*LOGRA, "dist.strategy=ddp"],  # step control on: the predicted KL is averaged over ranks
         "dense_ddp": [*DENSE, "dist.strategy=ddp"],
-        "dense_fsdp2": [*DENSE, "dist.strategy=fsdp2"],
-        "logra_fsdp2": [*LOGRA, "dist.strategy=fsdp2", "step_control.enabled=false"],
+        "dense_fsdp2": [*DENSE, "dist.strategy=fsdp2", "rollout.engine=hf"],
+        # step control on and binding (scale < 1), the chunked LM head, an engine copy per rank
+        "logra_fsdp2": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "rollout.engine=hf"],
     }
     torchrun([[*BASE, f"out_dir={root / name}", *args] for name, args in cases.items()])
     one_process(root / "logra_1", *LOGRA)
-    one_process(root / "logra_1_nosc", *LOGRA, "step_control.enabled=false")
+    one_process(root / "logra_1_fsdp2_ref", *LOGRA, *FSDP2_LOGRA)
     one_process(root / "dense_1", *DENSE)
     return root
 
 
 @pytest.mark.parametrize("two, one", [("logra_ddp", "logra_1"), ("dense_ddp", "dense_1"),
-                                      ("dense_fsdp2", "dense_1"), ("logra_fsdp2", "logra_1_nosc")])
+                                      ("dense_fsdp2", "dense_1"), ("logra_fsdp2", "logra_1_fsdp2_ref")])
 def test_two_ranks_equal_one(runs, two, one):
-    """Same global batch (2 prompt groups: one per rank vs both in one process) -> same weights after 3 steps."""
+    """Same global batch (2 prompt groups: one per rank vs both in one process) -> same weights after 3 steps.
+    logra_fsdp2: predicted-KL step control on the sharded model (binding: scales < 1), the chunked LM
+    head and an hf engine copy per rank, against one process with step control and the chunked head."""
     assert_same_weights(runs / two, runs / one)
     m2, m1 = read_metrics(runs / two), read_metrics(runs / one)
     assert [m["step"] for m in m2] == [1, 2, 3]
     for key in ("reward/mean", "rollout/trained_seqs", "rollout/trained_tokens"):  # rollouts identical
         assert [m[key] for m in m2] == [m[key] for m in m1], key
-    for key in ("loss/policy", "step/grad_norm"):
+    keys = ("loss/policy", "step/grad_norm") + (("step/scale", "kl/predicted", "kl/realized") if two == "logra_fsdp2" else ())
+    for key in keys:
         assert [m[key] for m in m2] == pytest.approx([m[key] for m in m1], rel=1e-4, abs=1e-7), key
     assert sum(m["rollout/trained_seqs"] for m in m2) > 0  # something was trained
+    if two == "logra_fsdp2":
+        assert all(m["step/scale"] < 1 for m in m2 if m["rollout/trained_seqs"])  # the control acted
+
+
+@pytest.mark.parametrize("name", ["dense_fsdp2", "logra_fsdp2"])
+def test_fsdp2_engine_copies_equal_trainer(runs, name):
+    """Each rank's engine copy, synced by gathered payloads (low-rank L rows from their owners, A from
+    the seed; dense tensors whole), is torch.equal to the gathered trainer weights after every sync,
+    with no resync needed."""
+    updates = sum(1 for m in read_metrics(runs / name) if m["rollout/trained_seqs"])
+    assert updates > 0
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (runs / name / f"engine_check_rank{rank}.jsonl").read_text().splitlines()]
+        assert [r["full"] for r in rows] == [True] + [False] * updates  # the initial full sync, then one per update
+        assert all(r["equal"] for r in rows), rows
+        assert all(r.get("sync/resyncs", 0) == 0 for r in rows)
 
 
 def test_allreduce_bytes_logged(runs):
@@ -124,10 +145,9 @@ def test_refusals(tmp_path):
         strategy.check(cfg, METHODS["logra"])
     fsdp = FSDP2.__new__(FSDP2)
     fsdp.world_size = 2
-    with pytest.raises(ValueError, match="step control"):
-        fsdp.check(build_config([*BASE, *LOGRA, f"out_dir={tmp_path}"]), METHODS["logra"])
-    with pytest.raises(ValueError, match="logprob_chunk=0"):
-        fsdp.check(build_config([*BASE, *DENSE, "train.logprob_chunk=256", f"out_dir={tmp_path}"]), METHODS["dense"])
+    # step control, the chunked head and engine copies run under fsdp2 (test_two_ranks_equal_one)
+    fsdp.check(build_config([*BASE, *LOGRA, "train.logprob_chunk=256", "rollout.engine=hf", f"out_dir={tmp_path}"]),
+               METHODS["logra"])
     with pytest.raises(ValueError, match="inside backward"):
         fsdp.check(build_config([*BASE, "method=galore_layerwise", f"out_dir={tmp_path}"]), METHODS["galore_layerwise"])
     # resume=true (the launcher passes it to every run) starts a fresh run; a run with a checkpoint is refused

@@ -25,7 +25,11 @@ Strategies (``dist.strategy``, registry :data:`STRATEGIES`):
   (:meth:`FSDP2.predict_kl`) predicts on the gathered weights: each rank's low-rank hooks get a
   layer's whole D (an all-gather of the m × r factor rows) and A from its seed, the dense Δ of
   sharded tensors is gathered, each rank probes its share and the prediction is the token-weighted
-  mean over ranks, as under ddp.
+  mean over ranks, as under ddp. A rollout engine with its own copy (``rollout.engine=hf|vllm``: one
+  engine per rank) starts from a fresh skeleton and follows the trainer through
+  :class:`GatheringSender` payloads: each sketched weight's L = −η·s·D with its rows gathered from
+  their owners (A from the seed), the changed dense tensors gathered whole; the checksum is taken
+  on the gathered tensors, so every rank's copy is verified against the same digest.
 * ``deepspeed`` — DeepSpeed ZeRO (``dist.deepspeed_config``, default ``zero2``) wraps methods whose
   optimizer acts elementwise on the trainable tensors (``Method.elementwise_optimizer``: dense
   AdamW). ``logra`` is refused: ZeRO flattens the parameters into per-rank partitions and steps the
@@ -38,6 +42,7 @@ equality tests of 1 and 2 ranks rely on it), at the cost of smaller generate bat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -52,6 +57,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from experiments.rl.checkpoint import list_checkpoints
+from logra_core.distributed import gather_rows
+from logra_core.sync import SyncSender
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -269,6 +276,10 @@ class DataParallel:
         """Context in which ``model`` holds its whole weights (rollouts, evaluation)."""
         return nullcontext()
 
+    def sync_sender(self, model: nn.Module) -> SyncSender:
+        """What builds the weight-sync payloads of an engine with its own copy (:mod:`logra_core.sync`)."""
+        return SyncSender(model)
+
     def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int) -> float:
         """This rank's predicted KL of ``update`` on its probe ``inputs`` (0.0 without a probe); a
         collective wherever the weights are sharded, so every rank calls it."""
@@ -287,6 +298,49 @@ class DataParallel:
     def checkpoint_state(self, model: nn.Module, method) -> tuple[nn.Module, dict]:
         """(a module whose state_dict is the whole model, the method's state) for rank 0 to save."""
         return model, method.state_dict()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class GatheringSender(SyncSender):
+    """Sync payloads of whole tensors from a row-sharded (FSDP2) trainer, identical on every rank.
+
+    A step's low-rank op on a sharded weight carries this rank's rows of L; the payload gets every
+    rank's rows (:func:`logra_core.distributed.gather_rows`, m × r), with A still rebuilt from its
+    seed by the receiver. Changed dense tensors, fp32 masters (row shards of the weight they shadow)
+    and, for the checksum, the touched weights are gathered whole. Every rank must call
+    :meth:`delta` / :meth:`full` together (collectives in the same order: the names sorted).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.sharded = dict(self.tensors.params)
+
+    def _gathered(self, names) -> dict[str, torch.Tensor]:
+        return {n: _whole(self.sharded[n].detach()) for n in sorted(names)}
+
+    def _masters(self, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: gather_rows(masters[n], self.sharded[n]) for n in sorted(masters)}
+
+    def delta(self, lowrank, changed, masters):
+        lowrank = {n: dataclasses.replace(lowrank[n], left=gather_rows(lowrank[n].left, self.sharded[n]))
+                   for n in sorted(lowrank)}
+        masters = self._masters(masters)
+        self.tensors.params = self._gathered(set(lowrank) | set(changed))
+        try:
+            return super().delta(lowrank, changed, masters)
+        finally:
+            self.tensors.params = self.sharded
+
+    def full(self, masters=None):
+        masters = self._masters(masters) if masters is not None else None
+        self.tensors.params = self._gathered(self.sharded)
+        try:
+            return super().full(masters)
+        finally:
+            self.tensors.params = self.sharded
 
 
 def _tie(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -313,8 +367,10 @@ class _StateDictModule(nn.Module):
 class FSDP2(DataParallel):
     """``torch.distributed.fsdp.fully_shard`` on each decoder layer and the root (rows sharded)."""
 
-    requires_shared_engine = True
     resumable = False
+
+    def sync_sender(self, model: nn.Module) -> SyncSender:
+        return GatheringSender(model) if self.distributed else SyncSender(model)
 
     def wrap(self, model: nn.Module, method) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -359,7 +415,6 @@ class FSDP2(DataParallel):
         without a probe). A low-rank ΔW = D A of a row-sharded weight enters with its whole D, the
         ranks' rows all-gathered (m × r: small), and the same A on every rank (rebuilt from the
         seed); a dense Δ that is a row-sharded DTensor is gathered whole."""
-        from logra_core.distributed import gather_rows
         from logra_core.kl_predictor import predict_kl
 
         if not self.distributed:

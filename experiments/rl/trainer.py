@@ -50,7 +50,7 @@ from experiments.rl import vllm_engine  # noqa: F401  (registers rollout.engine=
 from experiments.rl.tasks import build_task, format_prompt
 from logra_core.kl_predictor import exact_kl, hidden_states
 from logra_core.step_control import step_scale
-from logra_core.sync import SyncSender, full_bytes
+from logra_core.sync import full_bytes
 
 # Keys that may differ between a run and its resumption.
 RESUMABLE_CHANGES = {"resume", "train.steps", "log.progress", "log.tensorboard", "threads", "guard.max_consecutive_skips"}
@@ -126,7 +126,7 @@ class GRPOTrainer:
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.engine = build_engine(c.rollout, self.model, self.tokenizer,
                                    factory=PolicyFactory(c.model, c.method, getattr(c, c.method), c.threads))
-        self.sender = SyncSender(self.model) if self.engine.holds_copy else None
+        self.sender = self.dist.sync_sender(self.model) if self.engine.holds_copy else None
         if self.dist.is_main:
             self._record_run()  # only now: a run that failed to set up leaves no run directory behind
         self.metrics = self.dist.metrics_writer(lambda: MetricsWriter(self.run_dir, tensorboard=c.log.tensorboard))
@@ -207,6 +207,11 @@ class GRPOTrainer:
                 self.epoch, self.cursor = self.epoch + 1, 0
         return out
 
+    def _policy_weights(self):
+        """The trainer's whole weights while the engine samples from them (sharded strategies gather
+        them); nothing where the engine holds its own copy."""
+        return nullcontext() if self.engine.holds_copy else self.dist.full_weights(self.model)
+
     def _prompts(self, problems) -> list[str]:
         return [format_prompt(self.tokenizer, p, self.cfg.task.instruction) for p in problems]
 
@@ -267,7 +272,7 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         problems = self.dist.shard(self._next_problems(tc.prompts_per_step))  # this rank's whole groups
-        with self.profiler.step(self.step + 1), self._phase("rollout"), self.dist.full_weights(self.model):
+        with self.profiler.step(self.step + 1), self._phase("rollout"), self._policy_weights():
             rollouts = self.dist.generate(self.engine, self._prompts(problems), tc.group_size, self.step)
         t1 = time.perf_counter()
         references = [p.reference for p in problems for _ in range(tc.group_size)]
@@ -473,7 +478,7 @@ class GRPOTrainer:
         correct, lengths = [], []
         problems, real = self.dist.shard_padded(self.test_problems)  # every rank evaluates its share
         with oom_context("eval", self._memory_estimate), \
-                torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.dist.full_weights(self.model):
+                torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self._policy_weights():
             for i in tqdm(range(0, len(problems), c.eval.batch_size), desc="eval", leave=False, disable=not c.log.progress):
                 batch = problems[i : i + c.eval.batch_size]
                 out = self.engine.generate(self._prompts(batch), n=1, greedy=True, max_new_tokens=c.eval.max_new_tokens)
