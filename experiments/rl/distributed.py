@@ -29,7 +29,10 @@ Strategies (``dist.strategy``, registry :data:`STRATEGIES`):
   engine per rank) starts from a fresh skeleton and follows the trainer through
   :class:`GatheringSender` payloads: each sketched weight's L = −η·s·D with its rows gathered from
   their owners (A from the seed), the changed dense tensors gathered whole; the checksum is taken
-  on the gathered tensors, so every rank's copy is verified against the same digest.
+  on the gathered tensors, so every rank's copy is verified against the same digest. Checkpoints are
+  sharded (``torch.distributed.checkpoint``, :mod:`experiments.rl.sharded_checkpoint`): each rank
+  writes its model shards and its rows of the method state; a run resumes on the same world size
+  bit for bit, or in one process.
 * ``deepspeed`` — DeepSpeed ZeRO (``dist.deepspeed_config``, default ``zero2``) wraps methods whose
   optimizer acts elementwise on the trainable tensors (``Method.elementwise_optimizer``: dense
   AdamW). ``logra`` is refused: ZeRO flattens the parameters into per-rank partitions and steps the
@@ -56,7 +59,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from experiments.rl.checkpoint import list_checkpoints
+from experiments.rl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from experiments.rl.sharded_checkpoint import is_sharded, load_sharded, save_sharded
 from logra_core.distributed import gather_rows
 from logra_core.sync import SyncSender
 
@@ -299,6 +303,22 @@ class DataParallel:
         """(a module whose state_dict is the whole model, the method's state) for rank 0 to save."""
         return model, method.state_dict()
 
+    def save_checkpoint(self, run_dir: Path, step: int, model: nn.Module, method, trainer_state: dict, keep: int) -> None:
+        """Every rank calls it; rank 0 writes the whole model and the method state (experiments/rl/checkpoint.py)."""
+        module, method_state = self.checkpoint_state(model, method)  # gathers shards: every rank
+        if self.is_main:
+            save_checkpoint(run_dir, step, module, method_state, trainer_state, keep=keep)
+        self.barrier()
+
+    def load_checkpoint(self, path: Path, model: nn.Module, method) -> dict:
+        """Load a checkpoint into ``model`` and ``method`` (a sharded one too, laid out anew: a run
+        sharded over N ranks resumes in one process); returns the trainer state (step, data position)."""
+        if is_sharded(path):
+            return load_sharded(path, model, method)
+        method_state, state = load_checkpoint(path, model)  # CheckpointCorrupt on a checksum mismatch
+        method.load_state_dict(method_state)
+        return state
+
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -367,7 +387,6 @@ class _StateDictModule(nn.Module):
 class FSDP2(DataParallel):
     """``torch.distributed.fsdp.fully_shard`` on each decoder layer and the root (rows sharded)."""
 
-    resumable = False
 
     def sync_sender(self, model: nn.Module) -> SyncSender:
         return GatheringSender(model) if self.distributed else SyncSender(model)
@@ -436,6 +455,19 @@ class FSDP2(DataParallel):
         t = torch.tensor([n], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t)
+
+    def save_checkpoint(self, run_dir: Path, step: int, model: nn.Module, method, trainer_state: dict, keep: int) -> None:
+        """Sharded (experiments/rl/sharded_checkpoint.py): every rank writes its own shards of the
+        model and of the method state (DCP), nothing is gathered."""
+        if not self.distributed:
+            return super().save_checkpoint(run_dir, step, model, method, trainer_state, keep)
+        save_sharded(run_dir, step, model, method, trainer_state, keep=keep)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, method) -> dict:
+        if self.distributed and not is_sharded(path):
+            raise ValueError(f"{path} holds whole weights written by one process; resuming it sharded over "
+                             f"{self.world_size} ranks is not supported: resume it with one process, or start anew")
+        return super().load_checkpoint(path, model, method)
 
     def checkpoint_state(self, model: nn.Module, method) -> tuple[nn.Module, dict]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -174,8 +174,7 @@ class GRPOTrainer:
         for p in incomplete if self.dist.is_main else []:
             print(f"[resume] ignoring incomplete checkpoint {p} (no {ckpt.MANIFEST}: a write that did not finish)")
         if found:
-            method_state, state = ckpt.load_checkpoint(found[-1], self.model)  # CheckpointCorrupt on a checksum mismatch
-            self.method.load_state_dict(method_state)
+            state = self.dist.load_checkpoint(found[-1], self.model, self.method)  # CheckpointCorrupt on a checksum mismatch
             self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
             self.consecutive_skips = state.get("consecutive_skips", 0)
             print(f"[resume] continuing {self.run_dir} from step {self.step}")
@@ -189,10 +188,7 @@ class GRPOTrainer:
 
     def save(self) -> None:
         state = {"epoch": self.epoch, "cursor": self.cursor, "consecutive_skips": self.consecutive_skips}
-        model, method_state = self.dist.checkpoint_state(self.model, self.method)  # gathers shards: every rank
-        if self.dist.is_main:
-            ckpt.save_checkpoint(self.run_dir, self.step, model, method_state, state, keep=self.cfg.checkpoint.keep)
-        self.dist.barrier()
+        self.dist.save_checkpoint(self.run_dir, self.step, self.model, self.method, state, keep=self.cfg.checkpoint.keep)  # every rank
 
     # ---- data -----------------------------------------------------------------------------
     def _next_problems(self, n: int):
