@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.config import build_config  # noqa: E402
 from experiments.rl.distributed import shutdown  # noqa: E402
-from experiments.rl.trainer import GRPOTrainer  # noqa: E402
+from experiments.rl.trainer import PREEMPTED_EXIT, GRPOTrainer, Preempted  # noqa: E402
 from tests.toy_task import Toy  # noqa: E402,F401  (registers the toy task)
 
 def _checked_sync(sync):
@@ -43,5 +43,9 @@ if __name__ == "__main__":
     try:
         for overrides in json.loads(sys.argv[1]):
             GRPOTrainer(build_config(overrides)).train()
+    except Preempted as e:  # as python -m experiments.train does
+        print(f"[dist_entry] {e}", flush=True)
+        shutdown()
+        sys.exit(PREEMPTED_EXIT)
     finally:
         shutdown()

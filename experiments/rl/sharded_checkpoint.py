@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from experiments.rl.checkpoint import (MANIFEST, begin_checkpoint, finish_checkpoint, rng_state, set_rng_state,
+from experiments.rl.checkpoint import (begin_checkpoint, finish_checkpoint, rng_state, set_rng_state,
                                        verify_checkpoint)
 from logra_core.distributed import local, local_rows
 
@@ -201,4 +201,16 @@ def load_sharded(path: Path, model, method) -> dict:
     return json.loads((path / "trainer_state.json").read_text())
 
 
-__all__ = ["save_sharded", "load_sharded", "is_sharded", "MANIFEST"]
+
+
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model weights of a sharded checkpoint, read in this process (no process group), by name."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # what dcp_to_torch_save uses
+
+    reader = FileSystemReader(str(Path(path) / DCP_DIR))
+    keys = {k for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")}
+    state: dict = {}
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+    return dict(state["model"])
