@@ -98,8 +98,9 @@ def build_strategy(cfg, method_cls) -> "DataParallel":
     c = cfg.dist
     if c.strategy not in STRATEGIES:
         raise ValueError(f"unknown dist.strategy {c.strategy!r}; registered: {sorted(STRATEGIES)}")
-    if world_size() <= 1 and not dist.is_initialized():
-        return DataParallel(cfg)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if world_size() <= 1 and not dist.is_initialized() and not (under_torchrun and c.strategy != "ddp"):
+        return DataParallel(cfg)  # one plain process (torchrun --nproc_per_node=1 still shards under fsdp2)
     if not dist.is_initialized():
         cuda = cfg.device != "cpu" and torch.cuda.is_available()
         if cuda:
