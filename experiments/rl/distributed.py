@@ -6,7 +6,8 @@ CUDA, gloo on CPU, ``dist.backend`` to force one). Every rank draws the same pro
 so rewards and advantages stay per group. Each rank divides its loss by the completion-token count
 of the *global* batch, so the sum over ranks of the accumulated gradients equals a one-process
 run's gradient of the same global batch; every reduction here is a sum. Rank 0 alone writes the
-run directory (config, metrics, samples, checkpoints); evaluation is split over the ranks.
+run directory (config, metrics, samples, checkpoints; under fsdp2 every rank writes its checkpoint
+shards); evaluation is split over the ranks.
 
 Strategies (``dist.strategy``, registry :data:`STRATEGIES`):
 
@@ -32,7 +33,7 @@ Strategies (``dist.strategy``, registry :data:`STRATEGIES`):
   on the gathered tensors, so every rank's copy is verified against the same digest. Checkpoints are
   sharded (``torch.distributed.checkpoint``, :mod:`experiments.rl.sharded_checkpoint`): each rank
   writes its model shards and its rows of the method state; a run resumes on the same world size
-  bit for bit, or in one process.
+  (tests/test_distributed.py: weights within 1e-6, the same step scales and losses), or in one process.
 * ``deepspeed`` — DeepSpeed ZeRO (``dist.deepspeed_config``, default ``zero2``) wraps methods whose
   optimizer acts elementwise on the trainable tensors (``Method.elementwise_optimizer``: dense
   AdamW). ``logra`` is refused: ZeRO flattens the parameters into per-rank partitions and steps the
