@@ -259,6 +259,12 @@ def test_paper_profile_dry_run_lists_its_jobs(capsys, monkeypatch, tmp_path):
     assert "torchrun --standalone --nproc_per_node=8 -m experiments.train" in out
     assert "#SBATCH --gpus-per-node=8" in out
     assert out.count("planned ") + out.count("memory plan unavailable") + out.count("memory plan failed") == n
+    # fsdp2 with vLLM engines, step control and the chunked head; what the planner's sharding leaves out is noted
+    assert "-m experiments.train dist.strategy=fsdp2 " in out and "train.logprob_chunk=256" in out
+    notes = [line for line in out.splitlines() if "; fsdp2: " in line]
+    assert len(notes) == out.count("planned ") == n
+    assert sum("step control gathers the weights" in line for line in notes) == 3 * 2 * 3  # logra grid jobs
+    assert all(line.endswith(("-> fits", "-> DOES NOT FIT")) for line in notes)
     assert not any(tmp_path.iterdir())  # nothing written
 
 
