@@ -21,7 +21,7 @@ class StepControlConfig:
     enabled: Optional[bool] = None  # predicted-KL step control (DESIGN §3.2); None = the method's default (on for logra only)
     target_kl: float = 1e-2  # κ: the mean per-token KL(π_old‖π_new) on the probe tokens a step may reach (results/step_control)
     probe_seqs: int = 16  # at most this many sequences of the update's batch form the probe batch (their response tokens)
-    probe_fraction: float = 0.06  # probe round(fraction × batch sequences) of them (≥ 1, ≤ probe_seqs): ≈ 5 % of a step (docs/speed.md); 1 = probe_seqs
+    probe_fraction: float = 1.0  # probe round(fraction × batch sequences) of them (≥ 1, ≤ probe_seqs); 0.06 ≈ 5 % of a step but a 1-row probe erred by 68 % on SmolLM2 (docs/speed.md)
     chunk: int = 64  # tokens per chunk of the LM-head / vocabulary sums (CPU path; 64: extra memory below a forward's)
     measure_realized: bool = False  # also compute the exact KL of the applied step on the probe (one more forward)
 
@@ -40,7 +40,7 @@ class StepControlConfig:
         Cost: the prediction takes ≈ 3.35 forwards of its probe (results/kl_predictor), the update's
         forward + backward ≈ 3 forwards of the whole batch, so the prediction's share of the training
         pass is ≈ 1.1 · n / batch_seqs; with rollout and optimizer around it, a fraction of 0.06 keeps it
-        near 5 % of the step. The probe's sampling error is logged as ``kl/predicted_stderr``."""
+        near 5 % of the step (not the default: see docs/speed.md). The probe's sampling error is logged as ``kl/predicted_stderr``."""
         return max(1, min(self.probe_seqs, batch_seqs, round(self.probe_fraction * batch_seqs)))
 
 

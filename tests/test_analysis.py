@@ -121,6 +121,13 @@ def make_fixture(root: Path) -> Path:
         lines.append(f"{method},tiny-llama,{','.join(map(str, b))},{b[0] + 2**28},"
                      f"{'' if planner is None else planner * 2**20},{'a' * 40}")
     (root / "memory" / "memory.csv").write_text("\n".join(lines) + "\n")
+    (root / "time").mkdir()  # python -m experiments.time_table's layout: one row per method and phase
+    phases = ["rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync", "step"]
+    rows = ["method,model,device,phase,median_s,q25_s,q75_s,min_s,max_s,repeats,x_dense,git_sha"]
+    for method, secs in (("dense", [2, 0, 3, 1, 0, 0, 6]), ("logra", [2, 0, 2, 0.5, 0.5, 0, 5])):
+        rows += [f"{method},tiny-llama,cpu,{p},{v},{v},{v},{v},{v},3,{v / d if d else 'nan'},{'a' * 40}"
+                 for p, v, d in zip(phases, secs, [2, 0, 3, 1, 0, 0, 6])]
+    (root / "time" / "time.csv").write_text("\n".join(rows) + "\n")
     return root
 
 
@@ -237,7 +244,7 @@ def test_cli_writes_every_table_and_figure(root, tmp_path, capsys):
     out = tmp_path / "out"
     assert main([str(root), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    tables = {"memory_step", "memory_runs", "accuracy", "sync", "kl"}
+    tables = {"memory_step", "memory_runs", "time_step", "accuracy", "sync", "kl"}
     figures = {"memory", "curves", "kl_scatter", "scale_trace", "sync_bytes"}
     assert {p.stem for p in (out / "tables").glob("*.md")} == tables
     assert {p.stem for p in (out / "tables").glob("*.tex")} == tables
@@ -256,6 +263,8 @@ def test_cli_writes_every_table_and_figure(root, tmp_path, capsys):
     assert "skipped table" not in printed and "skipped figure" not in printed and "crashed: no metrics yet" in printed
     csv = (out / "tables" / "runs.csv").read_text().splitlines()
     assert len(csv) == 1 + 19 * (STEPS + 1) and "reward/mean" in csv[0]
+    time_md = (out / "tables" / "time_step.md").read_text()
+    assert "| tiny-llama | logra | 2.00 | 0.00 | 2.00 | 0.50 | 0.50 | 0.00 | 5.00 | 0.83 | 0.62 | 10.0 % |" in time_md
 
 
 def test_absent_data_is_skipped_not_an_error(tmp_path, capsys):
