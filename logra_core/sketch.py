@@ -170,13 +170,14 @@ class _SketchedEmbeddingFn(torch.autograd.Function):
     """out = W[ids]; backward: S[v] += Σ_{t: ids_t = v} (∂L/∂out_t) Aᵀ, and no gradient for W.
 
     The dense embedding gradient G (V × d) has row v = Σ_{t: ids_t = v} ∂L/∂out_t, so this is
-    exactly S = G Aᵀ (V × r), scattered from the (tokens × r) projected output gradient.
+    exactly S = G Aᵀ (V × r), scattered from the (tokens × r) projected output gradient. As in
+    ``nn.Embedding``, the row ``padding_idx`` (when set) receives nothing from the lookup.
     """
 
     @staticmethod
     def forward(ctx, ids, weight, basis, state: SketchState, padding_idx):
         ctx.save_for_backward(ids, basis)
-        ctx.state, ctx.num_rows = state, weight.shape[0]
+        ctx.state, ctx.num_rows, ctx.padding_idx = state, weight.shape[0], padding_idx
         return nn.functional.embedding(ids, weight, padding_idx)
 
     @staticmethod
@@ -184,6 +185,8 @@ class _SketchedEmbeddingFn(torch.autograd.Function):
         ids, basis = ctx.saved_tensors
         state = ctx.state
         projected = grad_out.reshape(-1, grad_out.shape[-1]).to(basis.dtype) @ basis.t()  # tokens × r
+        if ctx.padding_idx is not None:
+            projected = projected.masked_fill((ids.reshape(-1) == ctx.padding_idx).unsqueeze(1), 0.0)
         if state.sketch is None:
             state.sketch = torch.zeros(ctx.num_rows, basis.shape[0], dtype=torch.float32, device=basis.device)
         state.sketch.index_add_(0, ids.reshape(-1), projected.float())
