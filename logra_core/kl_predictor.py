@@ -257,10 +257,13 @@ def head_delta(model: nn.Module, lowrank: Optional[LowRank] = None, dense: Optio
 
 def predict_kl(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
-               dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256) -> float:
+               dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
+               temperature: float = 1.0) -> float:
     """KL̂(1) = ½ mean_t Var_{p_t}(δz_t) on the tokens predicted at ``positions``, for θ ← θ + Δ.
 
     The head is ``model.get_output_embeddings()`` with logits h Wᵀ (no bias, no logit scaling).
+    With a sampling temperature T the policy is softmax(z / T): z and δz are linear in (h, ḣ), so
+    both are divided by T through h and ḣ.
     For a step s·Δ the prediction is s²·KL̂(1). The model runs as it is: eval mode (no dropout) for a
     deterministic prediction.
     """
@@ -268,6 +271,8 @@ def predict_kl(model: nn.Module, input_ids: torch.Tensor, attention_mask: Option
     if getattr(head, "bias", None) is not None:
         raise ValueError("predict_kl assumes an LM head without bias")
     h, h_dot = hidden_and_tangent(model, input_ids, attention_mask, position_ids, lowrank, dense, positions)
+    if temperature != 1.0:
+        h, h_dot = h / temperature, h_dot / temperature
     g, U = head_tangent_factors(h, h_dot, head.weight.detach(), head_delta(model, lowrank, dense))
     return kl_terms(h, head.weight.detach(), g, U, chunk).mean().item()
 

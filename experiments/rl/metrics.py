@@ -32,6 +32,7 @@ METRICS: dict[str, str] = {
     "step/grad_norm": "global gradient norm before clipping",
     "kl/predicted": "predicted KL(pi_old || pi_new) per probe token of the proposed update, second order (step control)",
     "kl/predicted_scaled": "the prediction for the applied update: kl/predicted * step/scale^2",
+    "kl/probe_tokens": "response tokens in the KL probe (step_control.probe_seqs rows drawn across prompt groups, summed over ranks)",
     "kl/realized": "exact KL(pi_old || pi_new) per probe token of the applied update (step_control.measure_realized)",
     "step/scale": "scale s applied to the proposed update: min(1, sqrt(target_kl / kl/predicted))",
     "step/skipped": "updates of the step skipped by the non-finite guard (a NaN/Inf in a loss, gradient, sketch or proposed update; experiments/rl/guard.py): 0 or 1 per ppo epoch; the offending tensor is named in <run_dir>/skips.jsonl",
