@@ -29,7 +29,7 @@ METRICS: dict[str, str] = {
     "clip/fraction": "fraction of trained tokens whose ratio was clipped",
     "kl/ref": "k3 estimate of KL(policy || reference) per token (when train.kl_coef > 0)",
     "kl/sampler_trainer": "mean log pi_sampler - log pi_trainer over sampled tokens (engine/trainer mismatch)",
-    "step/grad_norm": "global gradient norm before clipping",
+    "step/grad_norm": "global L2 gradient norm before clipping (the method's max_grad_norm clips it): dense, galore, lora: over every trainable tensor's .grad (galore: the full gradients, before projection); logra: the estimated global norm sqrt(sum ||S||^2 over sketches + sum ||g||^2 over unsketched tensors), ||G A^T||^2 being an unbiased estimate of ||G||^2 (logra_core/clip.py)",
     "kl/predicted": "predicted KL(pi_old || pi_new) per probe token of the proposed update, second order (step control)",
     "kl/predicted_scaled": "the prediction for the applied update: kl/predicted * step/scale^2",
     "kl/probe_tokens": "response tokens in the KL probe (step_control.probe_seqs rows drawn across prompt groups, summed over ranks)",
