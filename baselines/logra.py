@@ -15,7 +15,7 @@ from logra_core.sketch import DEFAULT_TARGETS
 
 @dataclass
 class LoGRAConfig:
-    rank: int = 64  # sketch rank r of every sketched projection (LoGRA paper)
+    rank: int = 64  # sketch rank r of every sketched projection; 64 fits the CPU budget here (NeMo AutoModel's default is 256; the LoGRA paper's is not public)
     lr: float = 1e-5  # learning rate of the sketched update ΔW = −lr·D·A
     beta2: float = 0.9  # RowAdam second-moment decay, one moment per output row
     eps: float = 1e-8  # RowAdam denominator epsilon
@@ -29,7 +29,7 @@ class LoGRAConfig:
     seed: int = 0  # seeds A = f(seed, layer, step)
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # regexes of the nn.Linear names to sketch
     embeddings: bool = False  # also sketch the input embedding and an LM head tied to it (else they train by AdamW)
-    dense_lr: float = 5e-6  # AdamW learning rate of the tensors that are not sketched (embeddings, norms)
+    dense_lr: float = 5e-6  # AdamW learning rate of the unsketched tensors (embeddings, norms); untuned (half the best dense rate seen), tuned with lr by the lr sweep (docs/lr.md)
     max_grad_norm: float = 1.0  # clip the estimated global norm √(Σ‖S‖² + Σ‖g‖²) of sketches and dense gradients (logra_core/clip.py); 0 = off
 
 

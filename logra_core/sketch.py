@@ -8,9 +8,12 @@ random projection A ∈ R^{r×n} (r ≪ n) the sketch is
 
 so backward only needs the projected input X Aᵀ (tokens × r), saved in forward instead of X.
 Because A is fixed within a step, S accumulates exactly over micro-batches: Σᵢ Gᵢ Aᵀ = (Σᵢ Gᵢ) Aᵀ.
-With E[Aᵀ A] = I (Rademacher or Gaussian entries of variance 1/r) the update D A built from S is
-an unbiased estimate of the one built from G (LoGRA paper; NVIDIA NeMo AutoModel "gradient
-sketch" documentation).
+With E[Aᵀ A] = I (Rademacher or Gaussian entries of variance 1/r) the projected-back sketch is
+unbiased, E_A[S A] = G E[Aᵀ A] = G, and so is ‖S‖² for ‖G‖². The optimizer's step D A is not an
+unbiased estimate of anything dense: D normalises each row of S (at t = 1, D_i = √r·S_i/‖S_i‖₂,
+:mod:`logra_core.optimizer`), so a row of D A has norm ≈ √n, of which only ≈ √r lies along the
+gradient row (the rest spreads over A's random r-dimensional row space); in expectation it is
+about √(r/n) times a dense row-normalised step (docs/lr.md).
 
 A is never stored: Philox-4x32-10, a counter-based generator keyed by the seed with (element block,
 layer, step) as the counter, regenerates the same bits on any device and in any process, so a
