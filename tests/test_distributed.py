@@ -18,6 +18,8 @@ from experiments.rl.trainer import GRPOTrainer
 from tests.conftest import REPO, TINY
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
+pytestmark = pytest.mark.integration
+
 # 2 prompts x 4 samples per step, one group per rank; groups sampled from their own seeds
 BASE = [*TINY, "train.steps=3", "eval.every=0", "threads=1", "dist.seeded_groups=true", "train.logprob_chunk=0"]
 LOGRA = ["method=logra", "logra.rank=8", "logra.lr=1e-3"]

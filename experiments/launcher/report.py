@@ -23,11 +23,12 @@ def plan_memory(run: Run, sweep: Sweep, launcher: dict) -> str:
         return f"memory plan unavailable: experiments.memory.planner cannot be imported ({e})"
     cfg, opts = run.cfg, dict(sweep.planner)
     models = opts.pop("models", {}) or {}
-    section = cfg.get(cfg.method) or {}
-    rank = section.get("rank", section.get("r", opts.pop("rank", 256)))
+    from baselines import METHODS
+
+    method_opts = METHODS[cfg.method].plan_options(cfg[cfg.method])  # e.g. rank from logra.rank / lora.r
     gpus = int(launcher.get("gpus_per_node") or 1) * int(launcher.get("nodes") or 1)
-    kwargs = {"gpus": gpus, "micro_batch": int(cfg.train.micro_batch_size), "rank": int(rank),
-              "dtype": DTYPES.get(cfg.model.dtype, cfg.model.dtype), **opts}
+    kwargs = {"gpus": gpus, "micro_batch": int(cfg.train.micro_batch_size), "rank": int(opts.pop("rank", 256)),
+              "dtype": DTYPES.get(cfg.model.dtype, cfg.model.dtype), **opts, **method_opts}
     kwargs.setdefault("seq_len", 1024)
     # the job's own shapes: completion tokens through the LM head, micro-batches per update, head chunk, checkpointing
     kwargs.setdefault("completion_len", min(int(cfg.rollout.max_new_tokens), int(kwargs["seq_len"])))
