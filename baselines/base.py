@@ -149,6 +149,12 @@ class Method:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
         return {"step/grad_norm": float(grad_norm)}
 
+    def clip(self) -> dict[str, float]:
+        """Clip the global gradient norm of the method's trainable tensors to its ``max_grad_norm``;
+        returns ``step/grad_norm`` (before clipping). Methods whose gradients are not plain ``.grad``
+        tensors (logra's sketches) override this."""
+        return self.clip_gradients(self.trainable_parameters(self.model), self.cfg.max_grad_norm)
+
     def clipped_step(self, params: list[torch.Tensor], max_grad_norm: float) -> dict[str, float]:
         """Clip the global gradient norm of ``params`` to ``max_grad_norm`` (0 = off), then step."""
         stats = self.clip_gradients(params, max_grad_norm)

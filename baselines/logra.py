@@ -9,13 +9,14 @@ from torch import nn
 
 from baselines.base import Method, first_nonfinite, register_method
 from baselines.memory_terms import MemoryTerms, PlanContext, Term
+from logra_core.clip import clip_sketches_and_grads
 from logra_core.optimizer import LoGRA
 from logra_core.sketch import DEFAULT_TARGETS
 
 
 @dataclass
 class LoGRAConfig:
-    rank: int = 64  # sketch rank r of every sketched projection (LoGRA paper)
+    rank: int = 64  # sketch rank r of every sketched projection; 64 fits the CPU budget here (NeMo AutoModel's default is 256; the LoGRA paper's is not public)
     lr: float = 1e-5  # learning rate of the sketched update ΔW = −lr·D·A
     beta2: float = 0.9  # RowAdam second-moment decay, one moment per output row
     eps: float = 1e-8  # RowAdam denominator epsilon
@@ -29,8 +30,8 @@ class LoGRAConfig:
     seed: int = 0  # seeds A = f(seed, layer, step)
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # regexes of the nn.Linear names to sketch
     embeddings: bool = False  # also sketch the input embedding and an LM head tied to it (else they train by AdamW)
-    dense_lr: float = 5e-6  # AdamW learning rate of the tensors that are not sketched (embeddings, norms)
-    max_grad_norm: float = 1.0  # clip the global norm of the dense (unsketched) gradients; 0 = off
+    dense_lr: float = 5e-6  # AdamW learning rate of the unsketched tensors (embeddings, norms); untuned (half the best dense rate seen), tuned with lr by the lr sweep (docs/lr.md)
+    max_grad_norm: float = 1.0  # clip the estimated global norm √(Σ‖S‖² + Σ‖g‖²) of sketches and dense gradients (logra_core/clip.py); 0 = off
 
 
 @register_method("logra")
@@ -97,12 +98,20 @@ class LoGRAMethod(Method):
         self.dense_params = [p for g in self.optimizer.param_groups if g["kind"] == "dense" for p in g["params"]]
         return self.optimizer
 
+    def clip(self) -> dict[str, float]:
+        """One coefficient for sketches and dense gradients from the estimated global norm
+        √(Σ‖S‖² + Σ‖g‖²) (:mod:`logra_core.clip`); ``step/grad_norm`` is that estimate."""
+        pairs = [(m.weight, m.sketch_state.sketch) for m in self.optimizer._unique_modules()]
+        return {"step/grad_norm": clip_sketches_and_grads(pairs, self.dense_params, self.cfg.max_grad_norm)}
+
     def step(self) -> dict[str, float]:
-        return self.clipped_step(self.dense_params, self.cfg.max_grad_norm)
+        stats = self.clip()
+        self.optimizer.step()
+        return stats
 
     def propose(self):
         """Low-rank factors (D, A) for sketched weights, AdamW's Δ for the rest; nothing applied."""
-        stats = self.clip_gradients(self.dense_params, self.cfg.max_grad_norm)
+        stats = self.clip()
         return self.optimizer.propose(), stats
 
     def reduce_gradients(self, group=None) -> int:

@@ -257,27 +257,34 @@ def head_delta(model: nn.Module, lowrank: Optional[LowRank] = None, dense: Optio
 
 def predict_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                      position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
-                     dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256) -> torch.Tensor:
+                     dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
+                     temperature: float = 1.0) -> torch.Tensor:
     """The per-token terms ½ Var_{p_t}(δz_t) [T] of :func:`predict_kl`, in the order of ``positions``
-    (row-major: all of row 0's positions first)."""
+    (row-major: all of row 0's positions first); at ``temperature`` T the logits are z/T (h/T, ḣ/T)."""
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("predict_kl assumes an LM head without bias")
     h, h_dot = hidden_and_tangent(model, input_ids, attention_mask, position_ids, lowrank, dense, positions)
+    if temperature != 1.0:
+        h, h_dot = h / temperature, h_dot / temperature
     g, U = head_tangent_factors(h, h_dot, head.weight.detach(), head_delta(model, lowrank, dense))
     return kl_terms(h, head.weight.detach(), g, U, chunk)
 
 
 def predict_kl(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
-               dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256) -> float:
+               dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
+               temperature: float = 1.0) -> float:
     """KL̂(1) = ½ mean_t Var_{p_t}(δz_t) on the tokens predicted at ``positions``, for θ ← θ + Δ.
 
     The head is ``model.get_output_embeddings()`` with logits h Wᵀ (no bias, no logit scaling).
+    With a sampling temperature T the policy is softmax(z / T): z and δz are linear in (h, ḣ), so
+    both are divided by T through h and ḣ.
     For a step s·Δ the prediction is s²·KL̂(1). The model runs as it is: eval mode (no dropout) for a
     deterministic prediction.
     """
-    return predict_kl_terms(model, input_ids, attention_mask, position_ids, lowrank, dense, positions, chunk).mean().item()
+    return predict_kl_terms(model, input_ids, attention_mask, position_ids, lowrank, dense, positions, chunk,
+                            temperature).mean().item()
 
 
 def sampled_mean(terms: torch.Tensor, rows: torch.Tensor, population: int) -> tuple[float, float]:
@@ -313,7 +320,7 @@ def sampled_mean(terms: torch.Tensor, rows: torch.Tensor, population: int) -> tu
 def predict_kl_sampled(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                        position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
                        dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
-                       population: Optional[int] = None) -> tuple[float, float]:
+                       population: Optional[int] = None, temperature: float = 1.0) -> tuple[float, float]:
     """(KL̂(1), its standard error) for a probe of ``input_ids.shape[0]`` sequences drawn from a batch
     of ``population`` (default: the probe is the batch, se = 0); see :func:`sampled_mean`.
 
@@ -322,7 +329,7 @@ def predict_kl_sampled(model: nn.Module, input_ids: torch.Tensor, attention_mask
     """
     if positions is None:
         raise ValueError("predict_kl_sampled needs positions (the probe's response tokens)")
-    terms = predict_kl_terms(model, input_ids, attention_mask, position_ids, lowrank, dense, positions, chunk)
+    terms = predict_kl_terms(model, input_ids, attention_mask, position_ids, lowrank, dense, positions, chunk, temperature)
     rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)[positions]
     return sampled_mean(terms, rows.to(terms.device), population or positions.shape[0])
 

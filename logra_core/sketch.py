@@ -8,12 +8,16 @@ random projection A ∈ R^{r×n} (r ≪ n) the sketch is
 
 so backward only needs the projected input X Aᵀ (tokens × r), saved in forward instead of X.
 Because A is fixed within a step, S accumulates exactly over micro-batches: Σᵢ Gᵢ Aᵀ = (Σᵢ Gᵢ) Aᵀ.
-With E[Aᵀ A] = I (Rademacher or Gaussian entries of variance 1/r) the update D A built from S is
-an unbiased estimate of the one built from G (LoGRA paper; NVIDIA NeMo AutoModel "gradient
-sketch" documentation).
+With E[Aᵀ A] = I (Rademacher or Gaussian entries of variance 1/r) the projected-back sketch is
+unbiased, E_A[S A] = G E[Aᵀ A] = G, and so is ‖S‖² for ‖G‖². The optimizer's step D A is not an
+unbiased estimate of anything dense: D normalises each row of S (at t = 1, D_i = √r·S_i/‖S_i‖₂,
+:mod:`logra_core.optimizer`), so a row of D A has norm ≈ √n, of which only ≈ √r lies along the
+gradient row (the rest spreads over A's random r-dimensional row space); in expectation it is
+about √(r/n) times a dense row-normalised step (docs/lr.md).
 
-A is never stored: a counter-based hash of (seed, layer, step, element index) regenerates the same
-bits on any device and in any process, so a rollout engine can rebuild it from three integers.
+A is never stored: Philox-4x32-10, a counter-based generator keyed by the seed with (element block,
+layer, step) as the counter, regenerates the same bits on any device and in any process, so a
+rollout engine can rebuild it from three integers; distinct (layer, step) never share a stream.
 """
 
 from __future__ import annotations
@@ -29,50 +33,59 @@ from torch import nn
 _M32 = 0xFFFFFFFF
 DEFAULT_TARGETS = (r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$",)
 
+# Philox-4x32-10 (Salmon, Moraes, Dror & Shaw, 2011, "Parallel random numbers: as easy as 1, 2, 3"):
+# multipliers and Weyl key increments of the Random123 reference.
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 
-def _fmix32(h):
-    """MurmurHash3's 32-bit finalizer on int64 tensors (or Python ints) holding values in [0, 2³²).
 
-    Products wrap modulo 2⁶⁴ identically on every device; masking keeps the low 32 bits, which
-    are exact, so the result is the same bit for bit on CPU and CUDA.
+def philox4x32(counter: tuple, key: tuple[int, int], rounds: int = 10) -> tuple[torch.Tensor, ...]:
+    """Philox-4x32: four 32-bit words out per 128-bit counter (c0, c1, c2, c3) under a 64-bit key.
+
+    ``counter``: four int64 tensors (broadcastable) or ints holding values in [0, 2³²); ``key``:
+    two ints in [0, 2³²). Each round, with (hiₖ, loₖ) the 64-bit product Mₖ·c split in halves,
+
+        (c0, c1, c2, c3) ← (hi₁ ⊕ c1 ⊕ k0,  lo₁,  hi₀ ⊕ c3 ⊕ k1,  lo₀),   hi₀,lo₀ = M₀·c0,  hi₁,lo₁ = M₁·c2,
+
+    and the key advances by the Weyl constants. For a fixed key it is a bijection of the counter,
+    so distinct counters never give a shared stream. Products of two 32-bit values wrap modulo 2⁶⁴ in
+    int64 identically on every device and the masked halves are exact: the same bits on CPU and CUDA.
     """
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
+    k0, k1 = key
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W[0]) & _M32, (k1 + _PHILOX_W[1]) & _M32
+        p0, p1 = c0 * _PHILOX_M[0], c2 * _PHILOX_M[1]
+        c0, c1, c2, c3 = ((p1 >> 32) & _M32) ^ c1 ^ k0, p1 & _M32, ((p0 >> 32) & _M32) ^ c3 ^ k1, p0 & _M32
+    return c0, c1, c2, c3
 
 
-def _key(*ints: int) -> int:
-    """A 32-bit key from a few non-negative integers (the same finalizer on Python ints)."""
-    h = 0x2545F491
-    for v in ints:
-        if v < 0:
-            raise ValueError(f"seed, layer and step must be non-negative, got {v}")
-        for word in (v & _M32, (v >> 32) & _M32):
-            h = _fmix32((h * 0x9E3779B1 + word) & _M32)
-    return h
-
-
-def _hash_counter(key: int, n: int, device) -> torch.Tensor:
-    i = torch.arange(n, dtype=torch.int64, device=device)
-    return _fmix32((i * 0x9E3779B1 + key) & _M32)
+def projection_words(n: int, seed: int, layer: int, step: int, device=None) -> torch.Tensor:
+    """The n 32-bit words (int64 tensor) a projection is built from: Philox-4x32-10 with key = seed
+    and counter = (block, layer, step, 0), four words per block. Every (layer, step) has its own
+    counters, so no two projections of a run share a word sequence."""
+    for name, v, limit in (("seed", seed, 2**64), ("layer", layer, 2**32), ("step", step, 2**32)):
+        if not 0 <= v < limit:
+            raise ValueError(f"{name} must be in [0, {limit}), got {v}")
+    blocks = torch.arange(-(-n // 4), dtype=torch.int64, device=device)
+    words = philox4x32((blocks, layer, step, 0), (seed & _M32, seed >> 32))
+    return torch.stack(words, dim=1).reshape(-1)[:n]
 
 
 def projection(rows: int, cols: int, seed: int, layer: int, step: int, kind: str = "rademacher",
                device=None, dtype=torch.float32) -> torch.Tensor:
     """A ∈ R^{rows×cols} with E[Aᵀ A] = I, a pure function of (seed, layer, step).
 
-    rademacher: entries ±1/√rows from one hash bit each. gaussian: N(0, 1/rows) by Box–Muller from
-    two 24-bit uniforms per entry.
+    rademacher: entries ±1/√rows from the top bit of one word each. gaussian: N(0, 1/rows) by
+    Box–Muller from two 24-bit uniforms per entry (words i and n + i). Words: :func:`projection_words`.
     """
-    key = _key(seed, layer, step)
     n = rows * cols
     if kind == "rademacher":
-        bits = _hash_counter(key, n, device) >> 31  # the top bit: 0 or 1
+        bits = projection_words(n, seed, layer, step, device) >> 31  # the top bit: 0 or 1
         a = (1.0 - 2.0 * bits.to(torch.float32)) / math.sqrt(rows)
     elif kind == "gaussian":
-        u = _hash_counter(key, 2 * n, device) >> 8  # 24-bit uniforms
+        u = projection_words(2 * n, seed, layer, step, device) >> 8  # 24-bit uniforms
         u1 = (u[:n].to(torch.float64) + 0.5) / 2**24
         u2 = (u[n:].to(torch.float64) + 0.5) / 2**24
         a = (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2) / math.sqrt(rows)).to(torch.float32)
@@ -170,13 +183,14 @@ class _SketchedEmbeddingFn(torch.autograd.Function):
     """out = W[ids]; backward: S[v] += Σ_{t: ids_t = v} (∂L/∂out_t) Aᵀ, and no gradient for W.
 
     The dense embedding gradient G (V × d) has row v = Σ_{t: ids_t = v} ∂L/∂out_t, so this is
-    exactly S = G Aᵀ (V × r), scattered from the (tokens × r) projected output gradient.
+    exactly S = G Aᵀ (V × r), scattered from the (tokens × r) projected output gradient. As in
+    ``nn.Embedding``, the row ``padding_idx`` (when set) receives nothing from the lookup.
     """
 
     @staticmethod
     def forward(ctx, ids, weight, basis, state: SketchState, padding_idx):
         ctx.save_for_backward(ids, basis)
-        ctx.state, ctx.num_rows = state, weight.shape[0]
+        ctx.state, ctx.num_rows, ctx.padding_idx = state, weight.shape[0], padding_idx
         return nn.functional.embedding(ids, weight, padding_idx)
 
     @staticmethod
@@ -184,6 +198,8 @@ class _SketchedEmbeddingFn(torch.autograd.Function):
         ids, basis = ctx.saved_tensors
         state = ctx.state
         projected = grad_out.reshape(-1, grad_out.shape[-1]).to(basis.dtype) @ basis.t()  # tokens × r
+        if ctx.padding_idx is not None:
+            projected = projected.masked_fill((ids.reshape(-1) == ctx.padding_idx).unsqueeze(1), 0.0)
         if state.sketch is None:
             state.sketch = torch.zeros(ctx.num_rows, basis.shape[0], dtype=torch.float32, device=basis.device)
         state.sketch.index_add_(0, ids.reshape(-1), projected.float())

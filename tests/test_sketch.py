@@ -96,3 +96,25 @@ def test_install_selects_by_name_and_keeps_keys():
     assert list(model.state_dict()) == keys
     with pytest.raises(ValueError, match="exceeds"):
         install(load_model(ModelConfig(name="tiny-llama"))[0], rank=1000)
+
+
+@pytest.mark.parametrize("padding_idx", [2, None])
+def test_sketched_embedding_gives_padding_row_no_gradient(padding_idx):
+    """nn.Embedding leaves row padding_idx without gradient; the sketch must too: S = G Aᵀ with the
+    dense embedding's G, on a batch where the pad id appears several times."""
+    torch.manual_seed(0)
+    dense = nn.Embedding(10, 16, padding_idx=padding_idx)
+    sk = nn.Embedding(10, 16, padding_idx=padding_idx)
+    sk.load_state_dict(dense.state_dict())
+    wrapper = nn.Module()
+    wrapper.embed = sk
+    wrapper.get_input_embeddings = lambda: sk
+    install(wrapper, rank=4, targets=[r"^$"], embeddings=True)
+    ids = torch.tensor([[2, 5, 2, 7], [1, 2, 2, 9]])
+    weights = torch.randn(2, 4, 16)
+    (dense(ids) * weights).sum().backward()
+    (sk(ids) * weights).sum().backward()
+    A = projection(4, 16, 0, sk.sketch_state.layer, 0)
+    torch.testing.assert_close(sk.sketch_state.sketch, dense.weight.grad @ A.t(), rtol=1e-5, atol=1e-6)
+    if padding_idx is not None:
+        assert dense.weight.grad[padding_idx].abs().sum() == 0

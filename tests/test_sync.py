@@ -220,3 +220,15 @@ def test_a_run_with_a_synced_engine_logs_its_sync_metrics(tmp_path):
                         f"out_dir={tmp_path / 'run'}"])
     rows = [r for r in GRPOTrainer(cfg).train() if r.get("rollout/trained_seqs")]
     assert rows and all(0 < r["sync/bytes"] < r["sync/full_bytes"] and r["time/sync_s"] > 0 for r in rows)
+
+
+def test_hf_process_refuses_a_trainer_off_cpu():
+    """The worker generates on CPU: a CUDA trainer's low-rank deltas would round differently there
+    and fail every checksum, so the combination is refused before a process is spawned."""
+    from types import SimpleNamespace
+
+    from experiments.rl.rollout import RolloutConfig, build_engine
+
+    on_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda", 0))]))
+    with pytest.raises(ValueError, match="hf_process.*CPU.*checksum"):
+        build_engine(RolloutConfig(engine="hf_process"), on_cuda, tokenizer=None, factory=lambda: None)

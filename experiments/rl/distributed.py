@@ -286,7 +286,8 @@ class DataParallel:
         """What builds the weight-sync payloads of an engine with its own copy (:mod:`logra_core.sync`)."""
         return SyncSender(model)
 
-    def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None):
+    def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None,
+                   temperature: float = 1.0):
         """This rank's predicted KL of ``update`` on its probe ``inputs`` (0.0 without a probe); a
         collective wherever the weights are sharded, so every rank calls it. With ``population`` (the
         sequences the probe was drawn from): (prediction, its standard error as that batch's mean,
@@ -297,8 +298,8 @@ class DataParallel:
             return 0.0 if population is None else (0.0, 0.0)
         if population is not None:
             return predict_kl_sampled(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk,
-                                      population=population)
-        return predict_kl(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk)
+                                      population=population, temperature=temperature)
+        return predict_kl(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk, temperature=temperature)
 
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
         """Micro-batches padded (with repeats of a real row, trained with weight 0) to the largest
@@ -436,7 +437,8 @@ class FSDP2(DataParallel):
                 m.reshard()
                 m.set_reshard_after_forward(True, recurse=False)
 
-    def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None):
+    def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None,
+                   temperature: float = 1.0):
         """The KL predictor on the gathered weights (a collective: every rank calls it, with or
         without a probe). A low-rank ΔW = D A of a row-sharded weight enters with its whole D, the
         ranks' rows all-gathered (m × r: small), and the same A on every rank (rebuilt from the
@@ -444,7 +446,7 @@ class FSDP2(DataParallel):
         from logra_core.kl_predictor import predict_kl, predict_kl_sampled
 
         if not self.distributed:
-            return super().predict_kl(model, inputs, update, chunk, population)
+            return super().predict_kl(model, inputs, update, chunk, population, temperature)
         lowrank = {}
         for name, (D, A) in update.lowrank.items():
             weight = model.get_submodule(name).weight
@@ -453,8 +455,9 @@ class FSDP2(DataParallel):
         with self.full_weights(model):  # gathering is a collective: ranks without a probe take part
             if population is not None:
                 return predict_kl_sampled(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
-                                          population=population) if inputs else (0.0, 0.0)
-            return predict_kl(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk) if inputs else 0.0
+                                          population=population, temperature=temperature) if inputs else (0.0, 0.0)
+            return predict_kl(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
+                              temperature=temperature) if inputs else 0.0
 
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
         most = self._max(len(micro))

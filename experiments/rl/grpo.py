@@ -101,8 +101,12 @@ def clipped_policy_loss(
     return loss, stats
 
 
-def completion_logprobs(model, input_ids, attention_mask, completion_len: int, chunk: int = 0) -> torch.Tensor:
-    """Per-token log-probs of the last ``completion_len`` tokens of each row.
+def completion_logprobs(model, input_ids, attention_mask, completion_len: int, chunk: int = 0,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs log softmax(z / T)[y] of the last ``completion_len`` tokens of each row.
+
+    T is the rollout's sampling temperature, so the trained distribution is the one that sampled
+    (as in TRL and verl); for the chunked head z / T = (h / T) Wᵀ, so h is scaled instead.
 
     input_ids, attention_mask: [B, P + C] — prompts left-padded, completions right-padded, so
     the completions occupy the last C = completion_len columns. Only the C positions that predict
@@ -111,6 +115,8 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, c
     no [B, C, V] logits tensor exists; otherwise the model's own ``logits_to_keep`` path is used.
     Position ids follow the attention mask, as in generation. Returns [B, C] fp32.
     """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_len:]
     head = model.get_output_embeddings()
@@ -120,6 +126,8 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, c
             hidden = model.base_model(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state[:, -completion_len - 1 : -1]
+            if temperature != 1.0:
+                hidden = hidden / temperature
             # a fresh tensor, not a view: FSDP hooks the root's output for its backward
             return chunked_token_logprobs(hidden, model.get_output_embeddings().weight, targets, chunk).clone()
 
@@ -132,4 +140,5 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, c
         logits_to_keep=completion_len + 1,
         use_cache=False,
     )
-    return token_logprobs(out.logits[:, :-1, :], targets)
+    logits = out.logits[:, :-1, :]
+    return token_logprobs(logits if temperature == 1.0 else logits.float() / temperature, targets)

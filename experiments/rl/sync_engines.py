@@ -96,13 +96,24 @@ def _worker(port: int, cfg: RolloutConfig, factory: Callable) -> None:
 
 @register_engine("hf_process")
 class HFProcessEngine(RolloutEngine):
-    """An HF policy in a worker process (spawned; gloo on CPU): syncs and generation go over a Channel."""
+    """An HF policy in a worker process (spawned; gloo on CPU): syncs and generation go over a Channel.
+
+    The worker runs on CPU, so the trainer must too: a low-rank delta W + L·A computed by another
+    device's kernels rounds differently, fails the receiver's checksum and turns every sync into a
+    full one. A trainer on any other device is refused here, before a process is spawned.
+    """
 
     holds_copy = True
 
     def __init__(self, cfg: RolloutConfig, model, tokenizer, factory: Optional[Callable] = None):
         if factory is None:
             raise ValueError("rollout.engine=hf_process needs a factory that builds the policy in the worker")
+        device = next(iter(model.parameters())).device
+        if device.type != "cpu":
+            raise ValueError(
+                f"rollout.engine=hf_process generates on CPU but the trainer is on {device}: every low-rank "
+                "delta would be applied by other kernels, fail the checksum and fall back to a full sync. "
+                "Use rollout.engine=hf (same device as the trainer) or device=cpu.")
         port = _free_port()
         self.process = mp.get_context("spawn").Process(target=_worker, args=(port, cfg, factory), daemon=True)
         self.process.start()

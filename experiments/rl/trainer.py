@@ -89,6 +89,24 @@ def probe_inputs(rollouts: Rollouts, device) -> dict[str, torch.Tensor]:
                 positions=positions)
 
 
+def probe_rows(rows: torch.Tensor, group_size: int, k: int, seed: int, step: int) -> torch.Tensor:
+    """``k`` of the kept ``rows`` (group-major row indices) for the KL probe, spread over the prompt
+    groups: the rows are shuffled by a generator seeded with (seed, step), then taken round-robin —
+    every group's first drawn row, then every group's second, ... — so the probe sees min(k, groups)
+    prompts rather than the first k / group_size of them."""
+    if k >= len(rows):
+        return rows
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    shuffled = rows[torch.randperm(len(rows), generator=g)]
+    seen: dict[int, int] = {}
+    turn = []
+    for r in shuffled.tolist():  # the row's turn: how many of its group were drawn before it
+        turn.append(seen.get(r // group_size, 0))
+        seen[r // group_size] = turn[-1] + 1
+    order = torch.argsort(torch.tensor(turn), stable=True)
+    return shuffled[order[:k]]
+
+
 class GRPOTrainer:
     def __init__(self, cfg: DictConfig):
         self.cfg_yaml = cfg
@@ -395,11 +413,14 @@ class GRPOTrainer:
         update, stats = self.method.propose()
         if self._skip_if_nonfinite(update_nonfinite(update)):
             return None
-        probe = rows[: -(-sc.probe_rows(len(rows) * self.dist.world_size) // self.dist.world_size)]  # each rank probes its share
+        k = -(-sc.probe_rows(len(rows) * self.dist.world_size) // self.dist.world_size)  # each rank probes its share
+        probe = probe_rows(rows, self.cfg.train.group_size, k, self.cfg.seed + self.dist.rank, self.step)
         inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
         weight = float(inputs["positions"].sum()) if inputs else 0.0
+        T = self.temperature  # the probe's distributions are the sampler's, softmax(z / T)
         with self._phase("kl_predict"):  # a collective where the weights are sharded: every rank calls it
-            predicted, stderr = self.dist.predict_kl(self.model, inputs, update, sc.chunk, population=len(rows))
+            predicted, stderr = self.dist.predict_kl(self.model, inputs, update, sc.chunk, population=len(rows),
+                                                     temperature=T)
         predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
         stderr = self.dist.weighted_mean(stderr, weight)  # the sampling error of reading it as the batch's KL
         scale = step_scale(predicted, sc.target_kl)
@@ -407,13 +428,13 @@ class GRPOTrainer:
             with self.dist.full_weights(self.model):
                 if inputs:
                     head = self.model.get_output_embeddings().weight
-                    h_old, w_old = hidden_states(self.model, **inputs), head.detach().clone()
+                    h_old, w_old = hidden_states(self.model, **inputs) / T, head.detach().clone()
         self.method.apply(update, scale)
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale,
-                      "kl/predicted_stderr": stderr})
+                      "kl/predicted_stderr": stderr, "kl/probe_tokens": self.dist.all_sum(weight)[0]})
         if sc.measure_realized:
             with self.dist.full_weights(self.model):
-                realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs),
+                realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs) / T,
                                           self.model.get_output_embeddings().weight.detach(), sc.chunk).mean()) if inputs else 0.0
             stats["kl/realized"] = self.dist.weighted_mean(realized, weight)
         return stats
@@ -465,7 +486,12 @@ class GRPOTrainer:
     def _logprobs(self, model, mb: Rollouts) -> torch.Tensor:
         ids, mask = mb.model_inputs()
         return completion_logprobs(model, ids.to(self.device), mask.to(self.device), mb.completion_ids.shape[1],
-                                   self.cfg.train.logprob_chunk)
+                                   self.cfg.train.logprob_chunk, self.temperature)
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature T the trainer's log-probs and the KL probe use (1 for greedy rollouts)."""
+        return self.cfg.rollout.temperature if self.cfg.rollout.temperature > 0 else 1.0
 
     # ---- evaluation, logging --------------------------------------------------------------
     @torch.no_grad()
