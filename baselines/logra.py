@@ -30,6 +30,8 @@ class LoGRAConfig:
     embeddings: bool = False  # also sketch the input embedding and an LM head tied to it (else they train by AdamW)
     dense_lr: float = 5e-6  # AdamW learning rate of the tensors that are not sketched (embeddings, norms)
     max_grad_norm: float = 1.0  # clip the global norm of the dense (unsketched) gradients; 0 = off
+    master: str = "fp32"  # how a bf16/fp16 sketched weight takes W ← W − lr·D·A: fp32 (fp32 master) | kahan (bf16 compensation) | stochastic (stochastic rounding) | none (round to nearest); fp32 models ignore it (docs/precision.md)
+    dense_precision: str = "mixed"  # AdamW of the unsketched tensors of a bf16/fp16 model: mixed (fp32 master + moments) | bf16 (on the tensor itself); fp32 models ignore it
 
 
 @register_method("logra")
@@ -45,6 +47,7 @@ class LoGRAMethod(Method):
             model, rank=c.rank, lr=c.lr, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
             first_moment=c.first_moment, beta1=c.beta1, refresh_every=c.refresh_every,
             projection=c.projection, moments=c.moments, svd_scale=c.svd_scale, seed=c.seed, targets=c.targets, embeddings=c.embeddings, dense_lr=c.dense_lr,
+            master=c.master, dense_precision=c.dense_precision,
         )
         self.dense_params = [p for g in self.optimizer.param_groups if g["kind"] == "dense" for p in g["params"]]
         return self.optimizer
