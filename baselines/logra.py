@@ -74,6 +74,11 @@ class LoGRAMethod(Method):
         named += [(f"{opt.param_name[id(p)]}.grad", p.grad) for p in self.dense_params]
         return first_nonfinite(named)
 
+    def full_precision_parameters(self) -> dict[str, torch.Tensor]:
+        """Masters where kept (fp32 master, W + C under kahan), else the parameters."""
+        opt = self.optimizer
+        return {n: opt.full_precision(p) for n, p in self.model.named_parameters() if p.requires_grad}
+
     def apply(self, update, scale: float = 1.0) -> None:
         self.optimizer.apply(update, scale)
 

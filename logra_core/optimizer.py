@@ -207,6 +207,13 @@ class LoGRA(torch.optim.Optimizer):
         if buffer is not None:
             state[BUFFERED[self.defaults["master"]]] = buffer
 
+    def full_precision(self, p: torch.Tensor) -> torch.Tensor:
+        """p's value as the optimizer holds it: the fp32 master, W + C (kahan, in fp32), or p itself."""
+        st = self.state.get(p, {})
+        if "compensation" in st:
+            return local(p).detach().float() + st["compensation"].float()
+        return st.get("master", p).detach()
+
     def masters(self) -> dict[str, torch.Tensor]:
         """The buffers a weight-sync receiver mirrors, by parameter name: fp32 masters (``master="fp32"``)
         or bf16 compensations (``"kahan"``) of low-precision sketched weights."""
