@@ -155,7 +155,7 @@ class GaLore(Method):
         return self.clipped_step(self.params, self.cfg.max_grad_norm)
 
     def state_dict(self) -> dict:
-        return {"optimizer": _plain_state(self.optimizer.state_dict())}
+        return {**super().state_dict(), "optimizer": _plain_state(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
