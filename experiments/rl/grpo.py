@@ -100,6 +100,11 @@ def clipped_policy_loss(
     return loss, stats
 
 
+def logit_softcap(model) -> float | None:
+    """The model's final-logit softcap c (logits c·tanh(z/c); Gemma-2), or None."""
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None) or None
+
+
 def completion_logprobs(model, input_ids, attention_mask, completion_len: int, chunk: int = 0) -> torch.Tensor:
     """Per-token log-probs of the last ``completion_len`` tokens of each row.
 
@@ -107,18 +112,19 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, c
     the completions occupy the last C = completion_len columns. Only the C positions that predict
     them go through the LM head. With ``chunk > 0`` (and a plain linear head) the head runs
     ``chunk`` tokens at a time inside one autograd function (:mod:`logra_core.chunked_head`), so
-    no [B, C, V] logits tensor exists; otherwise the model's own ``logits_to_keep`` path is used.
+    no [B, C, V] logits tensor exists, with the model's final-logit softcapping (Gemma-2) applied
+    per chunk; otherwise the model's own ``logits_to_keep`` path is used.
     Position ids follow the attention mask, as in generation. Returns [B, C] fp32.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_len:]
     head = model.get_output_embeddings()
-    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None and not getattr(model.config, "final_logit_softcapping", None)
+    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
     if chunk > 0 and plain_head:
         hidden = model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state[:, -completion_len - 1 : -1]
-        return chunked_token_logprobs(hidden, head.weight, targets, chunk)
+        return chunked_token_logprobs(hidden, head.weight, targets, chunk, logit_softcap(model))
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

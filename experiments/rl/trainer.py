@@ -38,7 +38,7 @@ from baselines import METHODS
 from experiments.config import ConfigError, schema, to_yaml
 from experiments.rl import checkpoint as ckpt
 from experiments.rl.distributed import build_strategy
-from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages
+from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages, logit_softcap
 from experiments.rl.guard import (PREEMPTED_EXIT, NonFiniteError, Preempted, PreemptionSignals,  # noqa: F401  (re-exported)
                                   oom_context, planner_estimate, update_nonfinite)
 from experiments.memory.profiler import StepProfiler, optimizer_tensors
@@ -407,7 +407,8 @@ class GRPOTrainer:
         self.method.apply(update, scale)
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale})
         if sc.measure_realized:
-            realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs), head.detach(), sc.chunk).mean()) if inputs else 0.0
+            realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs), head.detach(), sc.chunk,
+                                      logit_softcap(self.model)).mean()) if inputs else 0.0
             stats["kl/realized"] = self.dist.weighted_mean(realized, weight)
         return stats
 
