@@ -9,8 +9,9 @@ Examples:
 
 Arguments: ``sweep=`` (required), ``launcher=<name>``, ``launcher.<key>=<value>`` (max_parallel,
 partition, account, gpus_per_node, cpus_per_task, nodes, timeout_min, mem_gb, wait, ...),
-``root=<dir>`` (default results/<sweep name>), ``--dry-run``; any other ``key=value`` is a run
-config override applied to every run (it changes the runs' hashes, hence their directories).
+``root=<dir>`` (default runs/<sweep name>, git-ignored; ``python -m experiments.publish`` copies a
+finished root into results/<sweep name>), ``--dry-run``; any other ``key=value`` is a run config
+override applied to every run (it changes the runs' hashes, hence their directories).
 
 Runs already marked complete (``done.json``) are skipped; the others run (or resume from their
 checkpoints). A failing run is reported with its log path and the others go on; the exit code is 1

@@ -47,7 +47,7 @@ from experiments.rl.models import load_model
 from experiments.rl.rollout import Rollouts, build_engine
 from experiments.rl.sync_engines import PolicyFactory
 from experiments.rl import vllm_engine  # noqa: F401  (registers rollout.engine=vllm; imports vllm only when used)
-from experiments.rl.tasks import build_task, format_prompt
+from experiments.rl.tasks import build_task, format_prompt, held_out
 from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl
 from logra_core.step_control import step_scale
 from logra_core.sync import SyncSender, full_bytes
@@ -106,7 +106,7 @@ class GRPOTrainer:
 
         self.task = build_task(c.task)
         self.train_problems = self.task.train_split()
-        self.test_problems = self.task.test_split()[: c.eval.size]
+        self.test_problems = held_out(self.task.test_split(), c.eval.size, c.seed)  # seeded order
         if not self.train_problems:
             raise ValueError(f"task {c.task.name!r} has no training problems")
         self.reward_fn = self.task.reward_function()
@@ -464,7 +464,7 @@ class GRPOTrainer:
     # ---- evaluation, logging --------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 on the first ``eval.size`` held-out problems."""
+        """Greedy pass@1 on the run's ``eval.size`` held-out problems (``tasks.held_out``: a seeded order)."""
         c = self.cfg
         t0 = time.perf_counter()
         correct, lengths = [], []
