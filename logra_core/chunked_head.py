@@ -57,8 +57,8 @@ class _ChunkedHeadLogprob(torch.autograd.Function):
         basis = state.projection(weight.shape[1], weight.device) if state is not None else None
         for i in range(0, hidden.shape[0], ctx.chunk):
             h, g = hidden[i : i + ctx.chunk], grad_logprob[i : i + ctx.chunk].float()
-            z = capped_logits(h, weight, ctx.softcap)
-            p = torch.exp(z - lse[i : i + ctx.chunk, None])
+            z = capped_logits(h, weight, ctx.softcap) if ctx.softcap else None  # kept for ∂z/∂u
+            p = torch.exp((z if ctx.softcap else capped_logits(h, weight)) - lse[i : i + ctx.chunk, None])
             dz = p.mul_(-g[:, None])
             dz.scatter_add_(-1, targets[i : i + ctx.chunk, None], g[:, None])  # + g at the target
             if ctx.softcap:  # through the cap: ∂z/∂u = 1 − (z/c)²
