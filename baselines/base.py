@@ -10,6 +10,9 @@ micro-batches (``backward(loss, last=...)``), with several processes sums them o
 ``reduce_gradients(group)``, then calls ``step()`` once; ``state_dict()`` / ``load_state_dict()`` carry
 everything needed to continue bit for bit. With predicted-KL step control the trainer calls
 ``propose()`` (the update, not applied) and ``apply(update, scale)`` instead of ``step()``.
+A method whose model is bf16/fp16 may keep fp32 master weights (``master_weights``,
+:mod:`baselines.precision`): its optimizer then steps the masters, and ``propose``/``apply``,
+``clipped_step`` and the state dict go through them.
 Before stepping, the trainer asks ``nonfinite()`` for the first accumulated tensor with a NaN/Inf
 and, if there is one, calls ``discard()`` instead of stepping (``experiments/rl/guard.py``).
 
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from baselines.precision import MasterWeights
 from baselines.memory_terms import MemoryTerms, PlanContext
 from logra_core.distributed import all_reduce_sum, local
 from logra_core.update import Update
@@ -90,6 +94,7 @@ class Method:
         self.cfg = cfg
         self.optimizer: torch.optim.Optimizer | None = None
         self.model: nn.Module | None = None
+        self.master_weights: MasterWeights | None = None  # fp32 masters of a bf16 model (precision=mixed)
 
     def setup(self, model: nn.Module, wrap=None) -> nn.Module:
         """``prepare``, then ``wrap(model, self)`` when given (e.g. FSDP sharding), then
@@ -156,10 +161,24 @@ class Method:
         return self.clip_gradients(self.trainable_parameters(self.model), self.cfg.max_grad_norm)
 
     def clipped_step(self, params: list[torch.Tensor], max_grad_norm: float) -> dict[str, float]:
-        """Clip the global gradient norm of ``params`` to ``max_grad_norm`` (0 = off), then step."""
+        """Clip the global gradient norm of ``params`` to ``max_grad_norm`` (0 = off), then step.
+        With master weights: gradients move to the masters (fp32), clip, step, p ← round(master)."""
+        mw = self.master_weights
+        if mw is not None:
+            mw.grads_to_masters()
+            params = mw.substitute(list(params))
         stats = self.clip_gradients(params, max_grad_norm)
         self.optimizer.step()
+        if mw is not None:
+            mw.masters_to_params()
         return stats
+
+    def full_precision_parameters(self) -> dict[str, torch.Tensor]:
+        """Each trainable tensor's value as the optimizer keeps it: its fp32 master where it has one,
+        else the parameter itself."""
+        mw = self.master_weights
+        return {n: (mw.master(p) if mw is not None else p).detach()
+                for n, p in self.model.named_parameters() if p.requires_grad}
 
     @torch.no_grad()
     def propose(self) -> tuple[Update, dict[str, float]]:
@@ -169,22 +188,29 @@ class Method:
         Δ = θ_new − θ_old, put θ_old back. Δ is as large as the trainable parameters (dense AdamW,
         GaLore: model-sized; LoRA: adapter-sized); methods with low-rank updates override this.
         """
-        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        old = [p.detach().clone() for _, p in params]
+        mw = self.master_weights
+        params = [(n, p, mw.master(p) if mw is not None else p) for n, p in self.model.named_parameters() if p.requires_grad]
+        old = [(m.detach().clone(), p.detach().clone() if m is not p else None) for _, p, m in params]
         stats = self.step()
         dense = {}
-        for (name, p), before in zip(params, old):
-            dense[name] = p.detach() - before
-            p.copy_(before)
+        for (name, p, m), (before, before_p) in zip(params, old):
+            dense[name] = m.detach() - before  # with masters: the fp32 master's change
+            m.copy_(before)
+            if before_p is not None:
+                p.copy_(before_p)
         old.clear()
         return Update(dense=dense), stats
 
     @torch.no_grad()
     def apply(self, update: Update, scale: float = 1.0) -> None:
         """θ ← θ + scale·Δ for an update from :meth:`propose`."""
-        params = dict(self.model.named_parameters())
+        params, mw = dict(self.model.named_parameters()), self.master_weights
         for name, delta in update.dense.items():
-            params[name].add_(delta, alpha=scale)
+            p = params[name]
+            m = mw.master(p) if mw is not None else p
+            m.add_(delta, alpha=scale)
+            if m is not p:
+                p.copy_(m)
 
     def sync_entries(self) -> tuple[dict, list[str], dict[str, torch.Tensor]]:
         """What the last applied step changed, for weight sync (:mod:`logra_core.sync`):
@@ -193,7 +219,16 @@ class Method:
         return {}, [n for n, p in self.model.named_parameters() if p.requires_grad], {}
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        out = {"optimizer": self.optimizer.state_dict()}
+        if self.master_weights is not None:
+            out["master_weights"] = self.master_weights.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        self.load_master_weights(state)
+
+    def load_master_weights(self, state: dict) -> None:
+        """Restore the fp32 masters of a checkpoint (one saved without them: rebuilt from the weights)."""
+        if self.master_weights is not None and "master_weights" in state:
+            self.master_weights.load_state_dict(state["master_weights"])

@@ -1,4 +1,8 @@
-"""Dense AdamW: the status quo the paper compares against (torch.optim.AdamW on every weight)."""
+"""Dense AdamW: the status quo the paper compares against (torch.optim.AdamW on every weight).
+
+On a bf16/fp16 model ``precision="mixed"`` (default) steps fp32 masters with fp32 moments, what
+verl/OpenRLHF under FSDP or DeepSpeed bf16 run; ``"bf16"`` is AdamW on the bf16 weights themselves
+(:mod:`baselines.precision`)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 from torch import nn
 
 from baselines.base import Method, register_method
+from baselines.precision import MasterWeights, check_precision
 from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries
 
 
@@ -19,6 +24,10 @@ class DenseConfig:
     eps: float = 1e-8  # denominator epsilon
     weight_decay: float = 0.0  # decoupled weight decay
     max_grad_norm: float = 1.0  # clip the global gradient norm before the step; 0 = off
+    precision: str = "mixed"  # bf16/fp16 model: mixed (fp32 master weights + fp32 moments, as FSDP MixedPrecision / DeepSpeed bf16) | bf16 (AdamW on the bf16 weights); fp32 models ignore it
+
+    def __post_init__(self):
+        check_precision("dense", self.precision)
 
 
 @register_method("dense")
@@ -31,9 +40,10 @@ class DenseAdamW(Method):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         self.params = self.trainable_parameters(model)
         c = self.cfg
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay
-        )
+        self.master_weights = MasterWeights.build(c.precision, model, self.params)
+        stepped = self.master_weights.substitute(self.params) if self.master_weights else self.params
+        self.optimizer = torch.optim.AdamW(stepped, lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps,
+                                           weight_decay=c.weight_decay)
         return self.optimizer
 
     def step(self) -> dict[str, float]:

@@ -21,6 +21,10 @@ stepped, though: the layerwise update cannot be skipped as a whole after the fac
 Ranks are capped at the smaller dimension of each matrix (with a message), so ``rank=256`` works
 on SmolLM2's 192-wide k/v projections. GaLore's projector objects are stored in checkpoints as
 plain tensors and numbers, so every checkpoint file still loads with ``weights_only=True``.
+
+On a bf16/fp16 model ``precision="mixed"`` (default) gives GaLoreAdamW fp32 masters to step (fp32
+gradient, projector and moments; the bf16 weight is the rounded master), ``"bf16"`` steps the bf16
+weights themselves (:mod:`baselines.precision`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from torch import nn
 
 from baselines.base import Method, first_nonfinite, register_method
+from baselines.precision import MasterWeights, check_precision
 from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries
 from logra_core.sketch import DEFAULT_TARGETS, select_linears
 
@@ -52,8 +57,10 @@ class GaLoreConfig:
     weight_decay: float = 0.0  # decoupled weight decay
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # regexes of the nn.Linear names GaLore projects
     max_grad_norm: float = 1.0  # clip the global gradient norm before the step; 0 = off (galore_layerwise: never)
+    precision: str = "mixed"  # bf16/fp16 model: mixed (GaLore steps fp32 masters: fp32 gradient, SVD and moments) | bf16 (on the bf16 weights); fp32 models ignore it
 
     def __post_init__(self):
+        check_precision("galore", self.precision)
         if self.proj_type not in PROJ_TYPES:
             raise ValueError(f"galore.proj_type must be one of {PROJ_TYPES}, got {self.proj_type!r}")
         if self.rank < 1 or self.update_proj_gap < 1:
@@ -178,18 +185,21 @@ class GaLore(Method):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         self.params = self.trainable_parameters(model)
-        self.optimizer = _adamw(galore_param_groups(model, self.cfg), self.cfg)
+        self.master_weights = MasterWeights.build(self.cfg.precision, model, self.params)
+        groups = galore_param_groups(model, self.cfg)
+        self.optimizer = _adamw(self.master_weights.substitute(groups) if self.master_weights else groups, self.cfg)
         return self.optimizer
 
     def step(self) -> dict[str, float]:
         return self.clipped_step(self.params, self.cfg.max_grad_norm)
 
     def state_dict(self) -> dict:
-        return {"optimizer": _plain_state(self.optimizer.state_dict())}
+        return {**super().state_dict(), "optimizer": _plain_state(self.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         _restore_projectors(self.optimizer)
+        self.load_master_weights(state)
 
 
 @register_method("galore_layerwise")
@@ -225,9 +235,11 @@ class GaLoreLayerwise(Method):
         self._stepped = 0
         self._bad: str | None = None  # the first non-finite tensor met in this update's last backward
         names = {id(p): n for n, p in model.named_parameters()}
+        self.master_weights = MasterWeights.build(self.cfg.precision, model, self.trainable_parameters(model))
         for group in galore_param_groups(model, self.cfg):
             for p in group["params"]:
-                opt = _adamw([{**group, "params": [p]}], self.cfg)
+                stepped = self.master_weights.master(p) if self.master_weights else p
+                opt = _adamw([{**group, "params": [stepped]}], self.cfg)
                 self.optimizers[names[id(p)]] = opt
                 p.register_post_accumulate_grad_hook(self._hook(opt, names[id(p)]))
         # The trainer's handle: zero_grad / state_dict go through this method, not a single optimizer.
@@ -240,7 +252,12 @@ class GaLoreLayerwise(Method):
                 if self._bad is None:
                     self._bad = first_nonfinite([(f"{name}.grad", p.grad)])
                 if self._bad is None:
+                    mw = self.master_weights
+                    if mw is not None:
+                        mw.grads_to_masters([p])
                     opt.step()
+                    if mw is not None:
+                        mw.masters_to_params([p])
                     self._stepped += 1
                 p.grad = None
         return hook
@@ -276,7 +293,10 @@ class GaLoreLayerwise(Method):
         return {"step/params_stepped": float(stepped)}
 
     def state_dict(self) -> dict:
-        return {"optimizers": {n: _plain_state(o.state_dict()) for n, o in self.optimizers.items()}}
+        out = {"optimizers": {n: _plain_state(o.state_dict()) for n, o in self.optimizers.items()}}
+        if self.master_weights is not None:
+            out["master_weights"] = self.master_weights.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         saved = state["optimizers"]
@@ -285,3 +305,4 @@ class GaLoreLayerwise(Method):
         for n, opt in self.optimizers.items():
             opt.load_state_dict(saved[n])
             _restore_projectors(opt)
+        self.load_master_weights(state)

@@ -32,6 +32,8 @@ class LoGRAConfig:
     embeddings: bool = False  # also sketch the input embedding and an LM head tied to it (else they train by AdamW)
     dense_lr: float = 5e-6  # AdamW learning rate of the unsketched tensors (embeddings, norms); untuned (half the best dense rate seen), tuned with lr by the lr sweep (docs/lr.md)
     max_grad_norm: float = 1.0  # clip the estimated global norm √(Σ‖S‖² + Σ‖g‖²) of sketches and dense gradients (logra_core/clip.py); 0 = off
+    master: str = "fp32"  # how a bf16/fp16 sketched weight takes W ← W − lr·D·A: fp32 (fp32 master) | kahan (bf16 compensation) | stochastic (stochastic rounding) | none (round to nearest); fp32 models ignore it (docs/precision.md)
+    dense_precision: str = "mixed"  # AdamW of the unsketched tensors of a bf16/fp16 model: mixed (fp32 master + moments) | bf16 (on the tensor itself); fp32 models ignore it
 
 
 @register_method("logra")
@@ -94,6 +96,7 @@ class LoGRAMethod(Method):
             model, rank=c.rank, lr=c.lr, beta2=c.beta2, eps=c.eps, weight_decay=c.weight_decay,
             first_moment=c.first_moment, beta1=c.beta1, refresh_every=c.refresh_every,
             projection=c.projection, moments=c.moments, svd_scale=c.svd_scale, seed=c.seed, targets=c.targets, embeddings=c.embeddings, dense_lr=c.dense_lr,
+            master=c.master, dense_precision=c.dense_precision,
         )
         self.dense_params = [p for g in self.optimizer.param_groups if g["kind"] == "dense" for p in g["params"]]
         return self.optimizer
@@ -127,6 +130,11 @@ class LoGRAMethod(Method):
                 named.append((f"{name} (sketch)", m.sketch_state.sketch))
         named += [(f"{opt.param_name[id(p)]}.grad", p.grad) for p in self.dense_params]
         return first_nonfinite(named)
+
+    def full_precision_parameters(self) -> dict[str, torch.Tensor]:
+        """Masters where kept (fp32 master, W + C under kahan), else the parameters."""
+        opt = self.optimizer
+        return {n: opt.full_precision(p) for n, p in self.model.named_parameters() if p.requires_grad}
 
     def apply(self, update, scale: float = 1.0) -> None:
         self.optimizer.apply(update, scale)

@@ -1,6 +1,8 @@
 """LoRA baseline: ``peft`` adapters (Hu et al., 2022) on the attention and MLP projections.
 
-Only the adapter matrices train (AdamW); every base weight stays frozen and bit-identical. The
+Only the adapter matrices train (AdamW); every base weight stays frozen and bit-identical. On a
+bf16/fp16 base ``precision="mixed"`` (default) keeps the adapters and their moments in fp32,
+``"bf16"`` in the base's dtype. The
 model the trainer sees is the HF model with peft's LoRA layers injected (peft's wrapper is kept on
 the method as ``peft_model``), so generation, the chunked LM head and checkpoints work unchanged;
 checkpoint keys are peft's (``...q_proj.base_layer.weight``, ``...q_proj.lora_A.default.weight``).
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from baselines.base import Method, register_method
+from baselines.precision import check_precision
 from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -36,8 +39,10 @@ class LoRAConfig:
     eps: float = 1e-8  # AdamW epsilon
     weight_decay: float = 0.0  # decoupled weight decay of the adapters
     max_grad_norm: float = 1.0  # clip the adapters' global gradient norm; 0 = off
+    precision: str = "mixed"  # bf16/fp16 base: mixed (fp32 adapters and moments on the frozen bf16 base) | bf16 (adapters in the base's dtype); fp32 models ignore it
 
     def __post_init__(self):
+        check_precision("lora", self.precision)
         if self.r < 1:
             raise ValueError(f"lora.r must be >= 1, got {self.r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -119,7 +124,11 @@ class LoRA(Method):
             raise ValueError(f"lora.targets {missing} match no nn.Linear of the model (it has {sorted(found)})")
         peft_cfg = LoraConfig(r=c.r, lora_alpha=c.alpha, lora_dropout=c.dropout, target_modules=list(c.targets),
                               bias="none", task_type="CAUSAL_LM")
-        self.peft_model = get_peft_model(model, peft_cfg)
+        self.peft_model = get_peft_model(model, peft_cfg, autocast_adapter_dtype=False)
+        dtype = torch.float32 if c.precision == "mixed" else model.dtype
+        for p in self.peft_model.parameters():
+            if p.requires_grad and p.dtype != dtype and p.dtype != torch.float64:
+                p.data = p.data.to(dtype)  # mixed: fp32 adapters are their own masters
         return self.peft_model.base_model.model
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:

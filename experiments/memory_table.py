@@ -10,8 +10,9 @@ arith prompts, seeded random completions, fixed advantages) through the trainer'
 exists. Inside the child the tensor-accounting profiler (``experiments.memory.profiler``) records the
 peak of live tensor bytes, the phase it happened in, and its split into params / grads / optimizer
 state (moments, sketches, projectors, masters) / activations+other; the process's peak RSS is
-reported beside it. A method name may carry overrides after a colon:
-``methods="dense,logra:logra.embeddings=true"``. ``trace=1`` also writes ``<out>/trace_<method>.txt``:
+reported beside it. A method name may carry overrides after a colon, space-separated; a key
+without a dot belongs to the method's own section: ``methods="dense:precision=mixed,dense:precision=bf16,
+logra:master=stochastic embeddings=true"`` (= ``logra.master=stochastic logra.embeddings=true``). ``trace=1`` also writes ``<out>/trace_<method>.txt``:
 every storage alive at the peak, grouped by the op that made it and its shape. ``pad=<n>``: every
 other prompt gets n more tokens and the rest are left-padded (every micro-batch has a padding mask).
 
@@ -52,9 +53,10 @@ def child(spec: str, args: dict) -> dict:
     from experiments.rl.trainer import GRPOTrainer
 
     method, _, extra = spec.partition(":")
+    extra = [e if "." in e.partition("=")[0] else f"{method}.{e}" for e in extra.split() if e]  # precision=... -> dense.precision=...
     with tempfile.TemporaryDirectory() as tmp:
         cfg = build_config([f"method={method}", f"model={args['model']}", f"out_dir={tmp}/run", "log.progress=false",
-                            "eval.every=0", *args["overrides"], *[e for e in extra.split() if e]])
+                            "eval.every=0", *args["overrides"], *extra])
         trainer = GRPOTrainer(cfg)
         seqs, mb = int(args["seqs"]), int(args["micro_batch"])
         rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(args["completion_len"]), pad=int(args.get("pad", 0)))

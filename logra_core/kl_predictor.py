@@ -14,6 +14,10 @@ with F the Fisher matrix of the policy on the probe tokens; the per-token term i
     δz = ḣ Wᵀ + h ΔWᵀ = Σ_i g_i U_iᵀ,   (g, U) = ((ḣ, h Aᵀ), (W, D)) for ΔW = D A, ((ḣ, h), (W, ΔW))
                                         for a dense ΔW, ((ḣ,), (W,)) for an unchanged head.
 
+Final-logit softcapping (Gemma-2), z = c·tanh(u/c) with u = h Wᵀ: p = softmax(z) and, by the chain
+rule, δz = (1 − tanh²(u/c))·δu = (1 − (z/c)²)·δu for the δu above (``softcap`` = c; the realized
+KL :func:`exact_kl` caps both logits the same way).
+
 The vocabulary sums (:func:`kl_terms`) never form a T × V tensor: a chunked torch reference (chunk
 × V at a time) and, on CUDA, a fused Triton kernel (:mod:`logra_core.kl_triton`).
 
@@ -50,18 +54,25 @@ def _acc_dtype(*ts: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
-def kl_terms_reference(h: torch.Tensor, W: torch.Tensor, g: Factors, U: Factors, chunk: int = 256) -> torch.Tensor:
+def _capped(u: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """c·tanh(u/c) (in place) when ``softcap`` = c is set, else u."""
+    return torch.tanh(u.div_(softcap)).mul_(softcap) if softcap else u
+
+
+def kl_terms_reference(h: torch.Tensor, W: torch.Tensor, g: Factors, U: Factors, chunk: int = 256,
+                       softcap: Optional[float] = None) -> torch.Tensor:
     """Per-token ½ Var_p(δz) = ½(Σ_v p_v δz_v² − (Σ_v p_v δz_v)²) [T], ``chunk`` tokens at a time.
 
     z = h Wᵀ, δz = Σ_i g_i U_iᵀ; h: T × d, W: V × d, g_i: T × k_i, U_i: V × k_i (g, U: one tensor
     each, or equal-length sequences). Peak extra memory is a few chunk × V blocks.
     Computed as ½ Σ_v p_v (δz_v − Σ_u p_u δz_u)², which cannot cancel to a negative value.
+    With ``softcap`` = c: z = c·tanh(h Wᵀ/c) and δz = (1 − (z/c)²)·Σ_i g_i U_iᵀ.
     """
     pairs = _pairs(g, U)
     acc = _acc_dtype(h, W, *(t for pair in pairs for t in pair))
     out = torch.empty(h.shape[0], dtype=acc, device=h.device)
     for i in range(0, h.shape[0], chunk):
-        p = torch.softmax((h[i : i + chunk].to(W.dtype) @ W.t()).to(acc), dim=-1)
+        z = _capped((h[i : i + chunk].to(W.dtype) @ W.t()).to(acc), softcap)
         dz = None
         for gi, Ui in pairs:  # accumulated in place: one chunk × V block besides p
             gi = gi[i : i + chunk].to(Ui.dtype)
@@ -71,6 +82,10 @@ def kl_terms_reference(h: torch.Tensor, W: torch.Tensor, g: Factors, U: Factors,
                 dz.addmm_(gi, Ui.t())
             else:
                 dz += (gi @ Ui.t()).to(acc)
+        if softcap:
+            dz.mul_((z / softcap).square_().neg_().add_(1))
+        p = torch.softmax(z, dim=-1)
+        del z
         dz -= _rowdot(p, dz).unsqueeze(-1)
         out[i : i + chunk] = 0.5 * _rowdot(p, dz.square_())
     return out
@@ -91,17 +106,19 @@ def _triton_kernel():
     return _TRITON[0]
 
 
-def kl_terms(h: torch.Tensor, W: torch.Tensor, g: Factors, U: Factors, chunk: int = 256) -> torch.Tensor:
+def kl_terms(h: torch.Tensor, W: torch.Tensor, g: Factors, U: Factors, chunk: int = 256,
+             softcap: Optional[float] = None) -> torch.Tensor:
     """Per-token ½ Var_p(δz) [T] (fp32; fp64 for fp64 inputs); see :func:`kl_terms_reference`.
 
     On CUDA with triton importable and no fp64 input, runs the fused kernel (online softmax over
-    vocabulary tiles); elsewhere the chunked torch reference. The two agree to 1e-4 relative.
+    vocabulary tiles); elsewhere, and for softcapped logits, the chunked torch reference. The two
+    agree to 1e-4 relative.
     """
     pairs = _pairs(g, U)
     tensors = [h, W] + [t for pair in pairs for t in pair]
-    if h.is_cuda and _acc_dtype(*tensors) == torch.float32 and _triton_kernel() is not None:
+    if not softcap and h.is_cuda and _acc_dtype(*tensors) == torch.float32 and _triton_kernel() is not None:
         return _triton_kernel()(h, W, [gi for gi, _ in pairs], [Ui for _, Ui in pairs])
-    return kl_terms_reference(h, W, g, U, chunk)
+    return kl_terms_reference(h, W, g, U, chunk, softcap)
 
 
 def head_tangent_factors(h: torch.Tensor, h_dot: torch.Tensor, W: torch.Tensor, delta=None
@@ -265,10 +282,13 @@ def predict_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: 
     if getattr(head, "bias", None) is not None:
         raise ValueError("predict_kl assumes an LM head without bias")
     h, h_dot = hidden_and_tangent(model, input_ids, attention_mask, position_ids, lowrank, dense, positions)
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     if temperature != 1.0:
+        if softcap:  # softmax(c·tanh(z/c) / T) is not a function of h / T
+            raise ValueError("predict_kl: a sampling temperature != 1 with final-logit softcapping is not supported")
         h, h_dot = h / temperature, h_dot / temperature
     g, U = head_tangent_factors(h, h_dot, head.weight.detach(), head_delta(model, lowrank, dense))
-    return kl_terms(h, head.weight.detach(), g, U, chunk)
+    return kl_terms(h, head.weight.detach(), g, U, chunk, softcap)
 
 
 def predict_kl(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
@@ -277,7 +297,8 @@ def predict_kl(model: nn.Module, input_ids: torch.Tensor, attention_mask: Option
                temperature: float = 1.0) -> float:
     """KL̂(1) = ½ mean_t Var_{p_t}(δz_t) on the tokens predicted at ``positions``, for θ ← θ + Δ.
 
-    The head is ``model.get_output_embeddings()`` with logits h Wᵀ (no bias, no logit scaling).
+    The head is ``model.get_output_embeddings()`` with logits h Wᵀ (no bias, no logit scaling),
+    capped to c·tanh(h Wᵀ/c) where the model's config sets ``final_logit_softcapping`` = c.
     With a sampling temperature T the policy is softmax(z / T): z and δz are linear in (h, ḣ), so
     both are divided by T through h and ḣ.
     For a step s·Δ the prediction is s²·KL̂(1). The model runs as it is: eval mode (no dropout) for a
@@ -335,18 +356,19 @@ def predict_kl_sampled(model: nn.Module, input_ids: torch.Tensor, attention_mask
 
 
 def exact_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W_new: torch.Tensor,
-             chunk: int = 256) -> torch.Tensor:
+             chunk: int = 256, softcap: Optional[float] = None) -> torch.Tensor:
     """Per-token KL(p_old ‖ p_new) = Σ_v p_old,v (log p_old,v − log p_new,v) [T], ``chunk`` tokens at a time.
 
     With δ = z_new − z_old and c = δ − Σ_v p_old,v δ_v this equals log Σ_v p_old,v e^{c_v}
     = log1p(Σ_v p_old,v expm1(c_v)): no first-order terms left to cancel, so a tiny step's KL
     (≈ ½ Var(δ)) keeps its relative precision, which the difference of log-softmaxes loses.
+    ``softcap`` = c: both logits capped, z = c·tanh(h Wᵀ/c) (Gemma-2's final logits).
     """
     acc = _acc_dtype(h_old, W_old, h_new, W_new)
     out = torch.empty(h_old.shape[0], dtype=acc, device=h_old.device)
     for i in range(0, h_old.shape[0], chunk):
-        z_old = (h_old[i : i + chunk].to(W_old.dtype) @ W_old.t()).to(acc)
-        delta = (h_new[i : i + chunk].to(W_new.dtype) @ W_new.t()).to(acc) - z_old
+        z_old = _capped((h_old[i : i + chunk].to(W_old.dtype) @ W_old.t()).to(acc), softcap)
+        delta = _capped((h_new[i : i + chunk].to(W_new.dtype) @ W_new.t()).to(acc), softcap) - z_old
         p = torch.softmax(z_old, dim=-1)
         delta -= (p * delta).sum(-1, keepdim=True)
         out[i : i + chunk] = torch.log1p((p * torch.expm1(delta)).sum(-1))

@@ -10,10 +10,14 @@ For each sketched weight W (m × n) with sketch S = G Aᵀ (m × r, :mod:`logra_
 
 A is regenerated from (seed, layer, step) and a fresh one drawn every ``refresh_every`` steps
 (default 1: every step; the first-moment variant needs A held while m̂ lives in its space).
-``D A`` is added with one in-place ``addmm_``, so no tensor of W's size is ever allocated; weights
-in bf16/fp16 keep an fp32 master copy that receives the update and is copied back.
+For fp32 weights ``D A`` is added with one in-place ``addmm_``, so no tensor of W's size is ever
+allocated. Weights in bf16/fp16 take it as ``master`` says (:mod:`logra_core.precision`): an fp32
+master copy (``fp32``, the reference), a bf16 Kahan compensation (``kahan``), stochastic rounding
+(``stochastic``) or round-to-nearest (``none``), merged one row block at a time.
 Every other trainable tensor (norms, embeddings, biases) gets plain AdamW (Loshchilov & Hutter,
-2019), the same formula as ``torch.optim.AdamW``.
+2019), the same formula as ``torch.optim.AdamW``; with ``dense_precision="mixed"`` a bf16/fp16
+tensor keeps an fp32 master and fp32 moments (as FSDP MixedPrecision and DeepSpeed bf16 do), with
+``"bf16"`` AdamW runs on the low-precision tensor itself. fp32 models ignore both settings.
 
 Drop-in: ``LoGRA(model, rank=64, lr=1e-5)`` installs the sketch on the model's attention and MLP
 projections (with ``embeddings=True`` also on the input embedding and a head tied to it) and
@@ -30,12 +34,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from logra_core.distributed import all_reduce_sum, local, local_rows
+from logra_core.precision import BUFFERED, MASTERS, compute_dtype, full_precision, new_buffer
 from logra_core.sketch import DEFAULT_TARGETS, SketchedEmbedding, SketchedLinear, install
 from logra_core.svd_projector import MOMENTS, SVDProjector
 from logra_core.sync import LowRankOp, apply_lowrank
 from logra_core.update import Update
 
 PROJECTIONS = ("rademacher", "gaussian", "svd")
+DENSE_PRECISIONS = ("mixed", "bf16")  # AdamW of the unsketched tensors of a bf16/fp16 model
 
 
 class LoGRA(torch.optim.Optimizer):
@@ -59,6 +65,8 @@ class LoGRA(torch.optim.Optimizer):
         dense_lr: float | None = None,
         dense_betas: tuple[float, float] = (0.9, 0.999),
         dense_weight_decay: float | None = None,
+        master: str = "fp32",
+        dense_precision: str = "mixed",
     ):
         if projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {projection!r}")
@@ -66,6 +74,10 @@ class LoGRA(torch.optim.Optimizer):
             raise ValueError(f"need rank >= 1, refresh_every >= 1, lr >= 0 (got {rank}, {refresh_every}, {lr})")
         if projection == "svd" and embeddings:
             raise ValueError("projection='svd' sketches linear layers only: use embeddings=False")
+        if master not in MASTERS:
+            raise ValueError(f"master must be one of {MASTERS}, got {master!r}")
+        if dense_precision not in DENSE_PRECISIONS:
+            raise ValueError(f"dense_precision must be one of {DENSE_PRECISIONS}, got {dense_precision!r}")
         if moments not in MOMENTS:
             raise ValueError(f"moments must be one of {MOMENTS}, got {moments!r}")
         if first_moment and refresh_every == 1:
@@ -77,17 +89,19 @@ class LoGRA(torch.optim.Optimizer):
         sketched = [p for p in unique.values() if p.requires_grad]
         ids = set(unique)
         dense = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+        if master == "stochastic" and any(p.dtype == torch.float16 for p in sketched):
+            raise ValueError("master='stochastic' rounds to bf16: use it with a bfloat16 model (fp16 weights: fp32 or kahan)")
         groups = [{"params": sketched, "kind": "sketch"}]
         if dense:
             groups.append({
                 "params": dense, "kind": "dense",
                 "lr": lr if dense_lr is None else dense_lr,
                 "weight_decay": weight_decay if dense_weight_decay is None else dense_weight_decay,
-                "betas": dense_betas,
+                "betas": dense_betas, "precision": dense_precision,
             })
         defaults = dict(lr=lr, beta2=beta2, eps=eps, weight_decay=weight_decay, first_moment=first_moment,
                         beta1=beta1, refresh_every=refresh_every, betas=dense_betas, projection=projection,
-                        moments=moments, svd_scale=svd_scale)
+                        moments=moments, svd_scale=svd_scale, master=master, precision=dense_precision)
         super().__init__(groups, defaults)
         self.module_of = {id(m.weight): m for m in self.modules_by_name.values()}
         self.module_name = {}
@@ -138,7 +152,8 @@ class LoGRA(torch.optim.Optimizer):
                     if p.grad is not None:
                         direction, alpha, decay = self._adamw_update(p, group)
                         update.pending.append(("dense", p, (direction, alpha, decay)))
-                        update.dense[self.param_name[id(p)]] = direction * alpha - p.detach() * decay
+                        value = self.state[p].get("master", p.detach())
+                        update.dense[self.param_name[id(p)]] = direction * alpha - value * decay
         return update
 
     @torch.no_grad()
@@ -152,19 +167,24 @@ class LoGRA(torch.optim.Optimizer):
         for kind, p, found in update.pending:
             if kind == "dense":
                 direction, alpha, decay = found
+                target = self.state[p].get("master", p)  # mixed precision: the fp32 master
                 if decay:
-                    p.mul_(1 - scale * decay)
-                p.add_(direction, alpha=alpha * scale)
+                    target.mul_(1 - scale * decay)
+                target.add_(direction, alpha=alpha * scale)
+                if target is not p:
+                    p.copy_(target)
                 self.last_changed.append(self.param_name[id(p)])
                 continue
             left, right, alpha, decay, decay_first = found
-            target = self.state[p].get("master", local(p))  # a row-sharded weight: this rank's rows
+            weight, rows = local(p), local_rows(p)  # a row-sharded weight: this rank's rows
             spec = self._basis_spec(p, right)
-            op = LowRankOp((left * (alpha * scale)).to(target.dtype), spec, None if spec else right,
-                           scale * decay, decay_first)
-            apply_lowrank(target, op, right)
-            if "master" in self.state[p]:
-                local(p).copy_(target)
+            master = self.defaults["master"]
+            st = self.module_of[id(p)].sketch_state
+            op = LowRankOp((left * (alpha * scale)).to(compute_dtype(weight)), spec, None if spec else right,
+                           scale * decay, decay_first, master,
+                           (st.seed, self.sketch_step, st.layer) if master == "stochastic" else None)
+            offset = rows.start * weight.shape[1] if rows is not None else 0
+            apply_lowrank(weight, op, right, self._buffer(p), offset)
             self.last_lowrank[self.param_name[id(p)]] = op
         self.sketch_step += 1
         self._prepare_next_step()
@@ -176,9 +196,30 @@ class LoGRA(torch.optim.Optimizer):
             return None
         return st.seed, st.layer, st.step, st.kind, st.rank, right.shape[1]
 
+    def _buffer(self, p: torch.Tensor):
+        """The precision buffer of a sketched weight (fp32 master or Kahan compensation), or None."""
+        st = self.state[p]
+        return st.get("master", st.get("compensation"))
+
+    def _init_buffer(self, p: torch.Tensor, state: dict) -> None:
+        """At a sketched weight's first update: the buffer its ``master`` mode keeps (none for fp32 weights)."""
+        buffer = new_buffer(local(p), self.defaults["master"])
+        if buffer is not None:
+            state[BUFFERED[self.defaults["master"]]] = buffer
+
+    def full_precision(self, p: torch.Tensor) -> torch.Tensor:
+        """p's value as the optimizer holds it: the fp32 master, W + C (kahan, in fp32), or p itself."""
+        st = self.state.get(p, {})
+        if "compensation" in st:
+            return local(p).detach().float() + st["compensation"].float()
+        return st.get("master", p).detach()
+
     def masters(self) -> dict[str, torch.Tensor]:
-        """fp32 masters of low-precision sketched weights, by parameter name."""
-        return {self.param_name[id(p)]: st["master"] for p, st in self.state.items() if "master" in st}
+        """The buffers a weight-sync receiver mirrors, by parameter name: fp32 masters (``master="fp32"``)
+        or bf16 compensations (``"kahan"``) of low-precision sketched weights."""
+        sketched = {id(p) for p in self.param_groups[0]["params"]}
+        return {self.param_name[id(p)]: self._buffer(p) for p in self.state
+                if id(p) in sketched and self._buffer(p) is not None}
 
     def _prepare_next_step(self) -> None:
         """Clear the sketches and set what the next backward accumulates (A's step; the svd mode)."""
@@ -206,8 +247,7 @@ class LoGRA(torch.optim.Optimizer):
         if not state:
             state["step"] = 0
             state["row_second_moment"] = torch.zeros(s.shape[0], dtype=torch.float32, device=s.device)
-            if p.dtype != torch.float32:
-                state["master"] = local(p).detach().float().clone()
+            self._init_buffer(p, state)
         state["step"] += 1
         t = state["step"]
         beta2, eps, lr = group["beta2"], group["eps"], group["lr"]
@@ -252,8 +292,7 @@ class LoGRA(torch.optim.Optimizer):
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(low)
             state["exp_avg_sq"] = torch.zeros_like(low)
-            if p.dtype != torch.float32:
-                state["master"] = p.detach().float().clone()
+            self._init_buffer(p, state)
         state["step"] += 1
         beta1, beta2, lr, t = group["beta1"], group["beta2"], group["lr"], state["step"]
         state["exp_avg"].mul_(beta1).add_(low, alpha=1 - beta1)
@@ -266,16 +305,20 @@ class LoGRA(torch.optim.Optimizer):
 
     def _adamw_update(self, p: torch.Tensor, group: dict):
         """torch.optim.AdamW's formula (a scheduler's changes to ``group['lr']`` apply): advances the
-        moments, returns (m̂/(√v̂+ε) without the 1/(1−β₁ᵗ), its coefficient −η/(1−β₁ᵗ), decay ηλ)."""
+        moments, returns (m̂/(√v̂+ε) without the 1/(1−β₁ᵗ), its coefficient −η/(1−β₁ᵗ), decay ηλ).
+        ``precision="mixed"`` on a bf16/fp16 tensor: fp32 master and moments, the gradient cast to fp32."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["precision"] == "mixed" and not full_precision(p):
+                state["master"] = p.detach().float().clone()
+            like = state.get("master", p)
+            state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
         state["step"] += 1
         t = float(state["step"])
         beta1, beta2 = group["betas"]
-        lr, g = group["lr"], p.grad
+        lr, g = group["lr"], p.grad.to(state["exp_avg"].dtype)
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
@@ -328,14 +371,19 @@ class LoGRA(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         out = super().state_dict()
         sketched = self.param_groups[0]["params"]
+        dense = self.param_groups[1]["params"] if len(self.param_groups) > 1 else []
         out["logra"] = {
             "sketch_step": self.sketch_step,
             # sketches mid-step (accumulated micro-batches not yet applied), by sketched-param index
             "sketches": {i: self.module_of[id(p)].sketch_state.sketch for i, p in enumerate(sketched)
                          if self.module_of[id(p)].sketch_state.sketch is not None},
-            # fp32 tensors of sketched weights, kept out of the dtype cast of load_state_dict
+            # tensors of sketched weights (fp32 moments, masters, compensations), kept out of the dtype
+            # cast of load_state_dict
             "fp32": {i: {k: v for k, v in self.state[p].items() if torch.is_tensor(v)} for i, p in enumerate(sketched)
                      if p in self.state},
+            # the same for unsketched tensors with an fp32 master (mixed precision), by dense-group index
+            "dense_fp32": {i: {k: v for k, v in self.state[p].items() if torch.is_tensor(v)} for i, p in enumerate(dense)
+                           if "master" in self.state.get(p, {})},
         }
         return out
 
@@ -347,6 +395,10 @@ class LoGRA(torch.optim.Optimizer):
         sketched = self.param_groups[0]["params"]
         for i, p in enumerate(sketched):
             for k, v in extra["fp32"].get(i, {}).items():
+                self.state[p][k] = v.to(p.device)
+        dense = self.param_groups[1]["params"] if len(self.param_groups) > 1 else []
+        for i, p in enumerate(dense):
+            for k, v in extra.get("dense_fp32", {}).get(i, {}).items():
                 self.state[p][k] = v.to(p.device)
         self._prepare_next_step()
         for i, p in enumerate(sketched):

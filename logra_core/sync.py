@@ -13,10 +13,22 @@ own copy of the policy:
   LoRA adapters, every weight of dense AdamW). A new value costs the bytes of a delta and is equal by
   construction, where re-adding a float delta would round differently.
 
-fp32 masters (DESIGN §3.3): a bf16 weight updated through an fp32 master must equal bf16(master) on
-both sides, so a receiver keeps the same fp32 master for every sketched weight of a non-fp32 dtype
-(memory: 4 bytes per such number), created from its own copy at the first update exactly as the
-trainer creates its own; a full resync carries the trainer's masters.
+Low-precision weights (docs/precision.md, :mod:`logra_core.precision`): an op carries the trainer's
+``master`` mode, and both sides merge it with :func:`logra_core.precision.merge_lowrank_`:
+
+* ``fp32``: W = bf16(M) for an fp32 master M, so the receiver keeps the same fp32 master for every
+  sketched weight of a non-fp32 dtype (memory: 4 bytes per such number);
+* ``kahan``: W and its bf16 compensation C move together, and C is m × n, too big to send each
+  step. The receiver keeps its own C (2 bytes per such number), created as zeros at the first
+  update exactly as the trainer creates its own, and replays the same fp32 arithmetic, so its
+  W and C stay equal to the trainer's bit for bit (the checksum covers C);
+* ``stochastic``: no buffer; the op carries the rounding key (seed, step, layer) and the receiver
+  draws the same counter-based random bits (0 extra bytes);
+* ``none``: no buffer, round to nearest.
+
+Buffers (masters or compensations, ``masters`` below) are created from the receiver's own copy at
+the first update, as the trainer creates its own; a full resync carries the trainer's. fp32 weights
+ignore the mode.
 
 Integrity: ``version`` counts applied steps, and ``checksum`` is a digest (:func:`digest`) of the trainer's
 tensors (and masters) that the payload touched, taken after the step. A receiver applies a payload
@@ -35,13 +47,14 @@ import datetime
 import hashlib
 import pickle
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from logra_core.precision import merge_lowrank_, new_buffer, round_key
 from logra_core.sketch import projection
 
 
@@ -54,6 +67,8 @@ class LowRankOp:
     basis: Optional[torch.Tensor] = None  # A itself (r × n) when no spec rebuilds it
     decay: float = 0.0
     decay_first: bool = True
+    master: str = "fp32"  # how a low-precision weight takes it (logra_core.precision.MASTERS)
+    rounding: Optional[tuple] = None  # (seed, step, layer) keying the stochastic rounding
 
     def right(self, device) -> torch.Tensor:
         if self.basis is not None:
@@ -65,14 +80,13 @@ class LowRankOp:
         return _nbytes(self.left) + (_nbytes(self.basis) if self.basis is not None else 0)
 
 
-def apply_lowrank(target: torch.Tensor, op: LowRankOp, right: Optional[torch.Tensor] = None) -> None:
-    """The one update both trainer and receiver run on a sketched weight (or its fp32 master)."""
+def apply_lowrank(target: torch.Tensor, op: LowRankOp, right: Optional[torch.Tensor] = None,
+                  buffer: Optional[torch.Tensor] = None, offset: int = 0) -> None:
+    """The one update both trainer and receiver run on a sketched weight: ``target`` (its rows on
+    this rank, the first at global element ``offset``) with ``buffer``, its master or compensation."""
     right = op.right(target.device) if right is None else right
-    if op.decay and op.decay_first:
-        target.mul_(1 - op.decay)
-    target.addmm_(op.left.to(target.dtype), right.to(target.dtype))
-    if op.decay and not op.decay_first:
-        target.add_(target, alpha=-op.decay)
+    key = round_key(*op.rounding) if op.rounding is not None else 0
+    merge_lowrank_(target, op.left, right, op.decay, op.decay_first, op.master, buffer, key, offset)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -97,7 +111,7 @@ class SyncPayload:
     full: bool = False  # every tensor (a resync or the first sync); else a step's changes
     lowrank: dict[str, LowRankOp] = field(default_factory=dict)
     values: dict[str, torch.Tensor] = field(default_factory=dict)
-    masters: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 masters (full payloads only)
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)  # masters / compensations (full payloads only)
     checksum: str = ""
 
     def nbytes(self) -> int:
@@ -115,7 +129,8 @@ def full_bytes(model: nn.Module) -> int:
 
 
 class _Tensors:
-    """Parameters by name (a tied weight under its first name) and the fp32 masters kept beside them."""
+    """Parameters by name (a tied weight under its first name) and the buffers kept beside them
+    (fp32 masters or Kahan compensations, :mod:`logra_core.precision`)."""
 
     def __init__(self, model: nn.Module):
         self.params = {n: p for n, p in model.named_parameters()}
@@ -131,7 +146,8 @@ class _Tensors:
 
 
 class SyncSender:
-    """Builds payloads from what the trainer's step did. ``masters``: the trainer's fp32 masters by name."""
+    """Builds payloads from what the trainer's step did. ``masters``: the trainer's buffers beside
+    low-precision weights (fp32 masters, Kahan compensations) by name."""
 
     def __init__(self, model: nn.Module):
         self.tensors = _Tensors(model)
@@ -177,12 +193,11 @@ class SyncReceiver:
         params, masters = self.tensors.params, self.tensors.masters
         for name, op in payload.lowrank.items():
             p = params[name]
-            if p.dtype != torch.float32 and name not in masters:
-                masters[name] = p.detach().float().clone()  # as the trainer's optimizer creates it
-            target = masters.get(name, p)
-            apply_lowrank(target, op)
-            if target is not p:
-                p.copy_(target)
+            if name not in masters:
+                buffer = new_buffer(p, op.master)  # as the trainer's optimizer creates it
+                if buffer is not None:
+                    masters[name] = buffer
+            apply_lowrank(p, op, buffer=masters.get(name))
         for name, value in payload.values.items():
             params[name].copy_(value)
         self.version = payload.version
@@ -239,8 +254,8 @@ def send_payload(payload: SyncPayload, channel: Channel) -> None:
     """A pickled header (names, shapes, dtypes, specs), then every tensor of the payload."""
     header = SyncPayload(
         payload.version, payload.full,
-        lowrank={n: LowRankOp(_meta(op.left), op.spec, None if op.basis is None else _meta(op.basis), op.decay,
-                              op.decay_first) for n, op in payload.lowrank.items()},
+        lowrank={n: replace(op, left=_meta(op.left), basis=None if op.basis is None else _meta(op.basis))
+                 for n, op in payload.lowrank.items()},
         values={n: _meta(t) for n, t in payload.values.items()},
         masters={n: _meta(t) for n, t in payload.masters.items()}, checksum=payload.checksum)
     channel.send_obj(header)

@@ -152,11 +152,13 @@ def run_steps(tmp_path, method, engine, steps, extra=()):
     return records, state, trainer_state
 
 
-@pytest.mark.parametrize("engine,dtype", [("hf", "float32"), ("hf", "bfloat16"), ("hf_process", "float32"),
-                                          ("hf_process", "bfloat16")])
+@pytest.mark.parametrize("engine,dtype,master", [
+    ("hf", "float32", "fp32"), ("hf_process", "float32", "fp32"),
+    *[("hf", "bfloat16", master) for master in ("fp32", "kahan", "stochastic", "none")],
+    *[("hf_process", "bfloat16", master) for master in ("fp32", "kahan", "stochastic")]])
 @pytest.mark.integration
-def test_engine_equals_trainer_after_twenty_logra_steps(tmp_path, engine, dtype):
-    records, state, trainer_state = run_steps(tmp_path, "logra", engine, 20, [f"model.dtype={dtype}"])
+def test_engine_equals_trainer_after_twenty_logra_steps(tmp_path, engine, dtype, master):
+    records, state, trainer_state = run_steps(tmp_path, "logra", engine, 20, [f"model.dtype={dtype}", f"logra.master={master}"])
     assert state.keys() == trainer_state.keys()
     for name, value in trainer_state.items():
         assert torch.equal(state[name], value), name

@@ -321,7 +321,7 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     acts_fwd.append(Term("activations", "attention mask + RoPE tables", shared, "once per micro-batch"))
 
     # ---- the LM head: log-probs of the completion tokens ------------------------------------------
-    plain_head = not s.softcap
+    plain_head = True  # the chunked head applies Gemma-2's final-logit softcap per chunk (logra_core/chunked_head.py)
     head_terms: list[Term] = []
     Nl = Nh  # tokens whose log-prob is taken
     loss_vecs = Nl * 4 * 12
@@ -332,12 +332,14 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
         n_chunks = -(-Nl // c)
         head_terms.append(Term("activations", "head input", Nl * h * b if B > 1 else N * h * b,
                                "the completion positions' hidden states (a copy; with micro_batch 1 a view of all)"))
-        bufs = 3 if n_chunks > 1 else 2
+        bufs = (3 if n_chunks > 1 else 2) + (1 if s.softcap else 0)  # softcap: the capped z lives on for ∂z/∂u
         head_terms.append(Term("activations", "chunked head logits buffers", bufs * c * V * 4,
                                f"{bufs} fp32 chunk x V buffers in backward (logits, logits - lse, softmax; the previous "
                                f"chunk's gradient is still referenced), chunk {c}, {n_chunks} chunk(s)"))
         head_terms.append(hid_grad)
         A.append(f"LM head: chunked log-probs (train.logprob_chunk={chunk}), logsumexp kept per token")
+        if s.softcap:
+            A.append("chunked head with final-logit softcapping: one more chunk x V buffer, UNCHECKED against the profiler")
     else:
         why = "final_logit_softcapping" if not plain_head else "logprob_chunk=0"
         kept = (Nl + B) * V * 4 if not low else Nl * V * 4  # fp32: a view keeps the model's C+1 logits; else the fp32 copy

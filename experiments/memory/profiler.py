@@ -161,6 +161,9 @@ def optimizer_tensors(method, model) -> list[torch.Tensor]:
     opts = list(getattr(method, "optimizers", {}).values()) or [method.optimizer]
     for opt in opts:
         walk(dict(opt.state))
+    masters = getattr(method, "master_weights", None)  # fp32 masters of a bf16 model (baselines/precision.py)
+    if masters is not None:
+        out += list(masters.master_of.values())
     for m in model.modules():
         state = getattr(m, "sketch_state", None)
         if state is not None and torch.is_tensor(getattr(state, "sketch", None)):

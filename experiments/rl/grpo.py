@@ -101,6 +101,11 @@ def clipped_policy_loss(
     return loss, stats
 
 
+def logit_softcap(model) -> float | None:
+    """The model's final-logit softcap c (logits c·tanh(z/c); Gemma-2), or None."""
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None) or None
+
+
 def completion_logprobs(model, input_ids, attention_mask, completion_len: int, chunk: int = 0,
                         temperature: float = 1.0) -> torch.Tensor:
     """Per-token log-probs log softmax(z / T)[y] of the last ``completion_len`` tokens of each row.
@@ -112,15 +117,19 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, c
     the completions occupy the last C = completion_len columns. Only the C positions that predict
     them go through the LM head. With ``chunk > 0`` (and a plain linear head) the head runs
     ``chunk`` tokens at a time inside one autograd function (:mod:`logra_core.chunked_head`), so
-    no [B, C, V] logits tensor exists; otherwise the model's own ``logits_to_keep`` path is used.
+    no [B, C, V] logits tensor exists, with the model's final-logit softcapping (Gemma-2) applied
+    per chunk; otherwise the model's own ``logits_to_keep`` path is used.
     Position ids follow the attention mask, as in generation. Returns [B, C] fp32.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature != 1.0 and chunk > 0 and logit_softcap(model):
+        raise ValueError("the chunked LM head scales h by 1/T, which is not softmax(c·tanh(z/c) / T) under Gemma-2's "
+                         "final-logit softcapping: sample at temperature 1 or set train.logprob_chunk=0")
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_len:]
     head = model.get_output_embeddings()
-    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None and not getattr(model.config, "final_logit_softcapping", None)
+    plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
     if chunk > 0 and plain_head:
         def chunked(input_ids, attention_mask, position_ids):
             hidden = model.base_model(
@@ -129,7 +138,7 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, c
             if temperature != 1.0:
                 hidden = hidden / temperature
             # a fresh tensor, not a view: FSDP hooks the root's output for its backward
-            return chunked_token_logprobs(hidden, model.get_output_embeddings().weight, targets, chunk).clone()
+            return chunked_token_logprobs(hidden, model.get_output_embeddings().weight, targets, chunk, logit_softcap(model)).clone()
 
         # as the root's forward: a sharded model (FSDP2) gathers the head there and reduces its gradient after
         return through_root(model, chunked, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)

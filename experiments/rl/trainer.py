@@ -38,7 +38,7 @@ from baselines import METHODS
 from experiments.config import ConfigError, schema, to_yaml
 from experiments.rl import checkpoint as ckpt
 from experiments.rl.distributed import build_strategy
-from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages
+from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages, logit_softcap
 from experiments.rl.guard import (PREEMPTED_EXIT, NonFiniteError, Preempted, PreemptionSignals,  # noqa: F401  (re-exported)
                                   oom_context, planner_estimate, update_nonfinite)
 from experiments.memory.profiler import StepProfiler, optimizer_tensors
@@ -435,7 +435,8 @@ class GRPOTrainer:
         if sc.measure_realized:
             with self.dist.full_weights(self.model):
                 realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs) / T,
-                                          self.model.get_output_embeddings().weight.detach(), sc.chunk).mean()) if inputs else 0.0
+                                          self.model.get_output_embeddings().weight.detach(), sc.chunk,
+                                          logit_softcap(self.model)).mean()) if inputs else 0.0
             stats["kl/realized"] = self.dist.weighted_mean(realized, weight)
         return stats
 
