@@ -17,6 +17,8 @@ ALLOWED = {
     ("baselines/logra.py", "dense"): "logra_core's param-group kind of the unsketched tensors, not the dense method",
     ("analysis/render.py", "dense"): "the tables' reference variant for 'x dense' columns (a reporting choice)",
     ("analysis/memory.py", "dense"): "the memory table's reference row for the reduction column",
+    ("analysis/steptime.py", "dense"): "the time table's reference row for the 'x dense' columns",
+    ("experiments/time_table.py", "dense"): "the time table's reference row for its x_dense column",
 }
 
 
