@@ -108,14 +108,52 @@ def test_any_change_of_an_identity_key_changes_the_hash():
     cfg = build_config(["model=tiny-llama"])
     base = config_hash(cfg)
     keys = identity(cfg)
-    assert {"method", "seed", "train.steps", "model.name", "dense.lr", "logra.rank", "task.name", "eval.size"} <= set(keys)
-    assert not {"out_dir", "resume", "threads", "log.progress"} & set(keys)
+    assert {"method", "seed", "train.steps", "model.name", "dense.lr", "task.name", "eval.size"} <= set(keys)
+    assert not {"out_dir", "resume", "threads", "log.progress", "logra.rank"} & set(keys)  # only its own method's section
     for key, value in keys.items():
         changed = OmegaConf.create(OmegaConf.to_container(cfg))
         OmegaConf.update(changed, key, _changed(value))
         assert config_hash(changed) != base, key
     # and through the real config builder, a single override moves the run to a new directory
     assert config_hash(build_config(["model=tiny-llama", "train.steps=21"])) != base
+
+
+def test_changing_a_galore_default_keeps_dense_and_logra_run_keys(tmp_path, monkeypatch):
+    import dataclasses
+
+    from baselines import METHODS
+
+    path = write_sweep(tmp_path, {"base": {"model": {"name": "tiny-llama"}, "train.steps": 1, "logra": {"rank": 8}},
+                                  "grid": {"method": ["dense", "logra", "galore"], "seed": [0, 1]}})
+    before = {r.name: r.run_dir for r in load_sweep(path, root=str(tmp_path / "r")).runs()}
+    galore = METHODS["galore"].config_cls
+    changed = dataclasses.make_dataclass("ChangedGaLoreConfig", [("scale", float, dataclasses.field(default=0.5))],
+                                         bases=(galore,))
+    monkeypatch.setattr(METHODS["galore"], "config_cls", changed)
+    assert build_config(["method=galore"]).galore.scale == 0.5  # the default did change
+    after = {r.name: r.run_dir for r in load_sweep(path, root=str(tmp_path / "r")).runs()}
+    assert {k: v for k, v in after.items() if not k.startswith("galore")} == \
+        {k: v for k, v in before.items() if not k.startswith("galore")}
+    assert len(before) == 6
+    # a run that set the changed key itself moves (its value now differs from the default)
+    set_scale = ["method=galore", "galore.scale=0.25"]
+    monkeypatch.setattr(METHODS["galore"], "config_cls", galore)
+    key = config_hash(build_config(set_scale))
+    monkeypatch.setattr(METHODS["galore"], "config_cls", changed)
+    assert config_hash(build_config(set_scale)) != key
+
+
+def test_a_run_config_holds_its_own_method_section_only():
+    cfg = build_config(["method=logra", "logra.rank=8", "dense.lr=3e-5", "galore.scale=0.5"])
+    assert "logra" in cfg and not {"dense", "galore", "galore_layerwise", "lora"} & set(cfg)
+    with pytest.raises(ConfigError, match="did you mean 'galore.scale'"):  # other sections are still checked
+        build_config(["method=logra", "galore.scal=0.5"])
+    # a config saved when run configs held every method's section has the same key and no diff
+    from experiments.config import config_diff, schema
+
+    old = OmegaConf.merge(schema(), OmegaConf.to_container(cfg))
+    assert {"dense", "galore"} <= set(old) and config_hash(old) == config_hash(cfg)
+    assert config_diff(old, cfg) == set() and config_diff(old, build_config(["method=logra"])) == {"logra.rank"}
 
 
 def test_sweep_run_dirs_are_stable_and_move_with_the_config(tmp_path):

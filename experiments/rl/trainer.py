@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import subprocess
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -35,7 +33,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from baselines import METHODS
-from experiments.config import ConfigError, schema, to_yaml
+from experiments.common.config import ConfigError
+from experiments.common.provenance import git_sha, write_atomic  # noqa: F401  (git_sha re-exported for older callers)
+from experiments.config import RESUMABLE_CHANGES, config_diff, to_yaml  # noqa: F401
 from experiments.rl import checkpoint as ckpt
 from experiments.rl.distributed import build_strategy
 from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages
@@ -51,33 +51,6 @@ from experiments.rl.tasks import build_task, format_prompt
 from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl
 from logra_core.step_control import step_scale
 from logra_core.sync import SyncSender, full_bytes
-
-# Keys that may differ between a run and its resumption.
-RESUMABLE_CHANGES = {"resume", "train.steps", "log.progress", "log.tensorboard", "threads", "guard.max_consecutive_skips"}
-
-
-def git_sha() -> str:
-    try:
-        root = Path(__file__).resolve().parents[2]
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
-        return (sha or "unknown") + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _flat(cfg: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in cfg.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
 
 def probe_inputs(rollouts: Rollouts, device) -> dict[str, torch.Tensor]:
     """Model inputs of a probe batch for the KL predictor, and ``positions``: the [B, P + C] mask of
@@ -146,19 +119,16 @@ class GRPOTrainer:
         if saved.exists():
             if not c.resume:
                 raise FileExistsError(f"{self.run_dir} already holds a run: pass resume=true to continue it, or another out_dir")
-            old = _flat(OmegaConf.to_container(OmegaConf.load(saved)))
-            new = _flat(OmegaConf.to_container(self.cfg_yaml))
-            default = _flat(OmegaConf.to_container(schema()))
-            # a key added to the code since the run started is no change while it holds its default
-            diff = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
-                    and not (k not in old and k in default and new.get(k) == default[k])} - RESUMABLE_CHANGES
+            # a key added since the run started is no change at its default; old saved configs' other
+            # method sections are ignored (experiments.config.config_diff)
+            diff = config_diff(OmegaConf.load(saved), self.cfg_yaml)
             if diff:
                 raise ConfigError(f"resume: config differs from the saved run in {sorted(diff)}")
 
     def _record_run(self) -> None:
         """Write the resolved config and meta.json (git sha, versions); a resumption is appended."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.run_dir / "config.yaml", to_yaml(self.cfg_yaml))
+        write_atomic(self.run_dir / "config.yaml", to_yaml(self.cfg_yaml))
         now = {"git_sha": git_sha(), "torch": torch.__version__, "transformers": transformers.__version__,
                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         path = self.run_dir / "meta.json"
@@ -167,7 +137,7 @@ class GRPOTrainer:
             meta.setdefault("resumed", []).append(now)
         else:
             meta = {**now, "resumed": []}
-        _write_atomic(path, json.dumps(meta, indent=1))
+        write_atomic(path, json.dumps(meta, indent=1))
 
     def _resume(self) -> None:
         found, incomplete = ckpt.scan_checkpoints(self.run_dir)
