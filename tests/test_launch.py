@@ -352,3 +352,22 @@ def test_a_resumed_run_keeps_its_saved_values_of_keys_outside_the_hash(tmp_path)
     keep = resume_overrides(run.run_dir, TrainJob(run.overrides, run.run_dir).args())
     assert sorted(keep) == ['log.samples=5', 'task.data_dir="/old/data"']
     assert build_config(run.overrides + keep).log.samples == 5
+
+
+def test_migrate_renames_old_keyed_run_dirs_so_the_sweep_skips_them(tmp_path):
+    from experiments.config import schema, to_yaml
+    from experiments.launcher.migrate import migrate
+
+    sweep = small_sweep(tmp_path, seeds=(0,))
+    run = load_sweep(sweep).runs()[0]
+    old_dir = run.run_dir.with_name(run.name + "-0123abcd")  # keyed by the earlier scheme
+    old_dir.mkdir(parents=True)
+    saved = OmegaConf.merge(schema(), OmegaConf.to_container(run.cfg))  # every method's section, as saved then
+    OmegaConf.update(saved, "out_dir", str(old_dir))
+    (old_dir / "config.yaml").write_text(to_yaml(saved))
+    (old_dir / DONE).write_text(json.dumps({"run_dir": str(old_dir)}))
+    assert not load_sweep(sweep).runs()[0].done
+    assert migrate(tmp_path / "root") == [(old_dir, run.run_dir)]
+    assert load_sweep(sweep).runs()[0].done and not old_dir.exists()
+    assert OmegaConf.load(run.run_dir / "config.yaml").out_dir == str(run.run_dir)
+    assert migrate(tmp_path / "root") == []  # idempotent

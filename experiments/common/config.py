@@ -50,8 +50,10 @@ def known_keys(cfg: DictConfig | Mapping) -> list[str]:
 def unknown_key_error(key: str, known: Iterable[str], source: str, what: str = "config key") -> ConfigError:
     """``unknown config key 'train.stpes' in the command line (did you mean 'train.steps'?)``; with no
     close key the message points to ``--help``."""
-    close = difflib.get_close_matches(str(key), list(known), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else " (--help lists the keys)"
+    known = list(known)
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = (f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})" if what == "method"
+            else " (--help lists the keys)")
     return ConfigError(f"unknown {what} {key!r} in {source}{hint}")
 
 
@@ -60,7 +62,12 @@ def merge(base: DictConfig, other, source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, other)
     except ConfigKeyError as e:
-        raise unknown_key_error(e.full_key or getattr(e, "key", "?"), known_keys(base), source) from None
+        key = str(e.full_key or getattr(e, "key", "?"))
+        try:  # OmegaConf names the first unknown node (``bad``); name the key as given (``bad.key``)
+            given = [k for k in flatten(other) if k == key or k.startswith(key + ".")]
+        except (AttributeError, TypeError, OmegaConfBaseException):
+            given = []
+        raise unknown_key_error(given[0] if given else key, known_keys(base), source) from None
     except OmegaConfBaseException as e:
         msg = str(e).splitlines()[0]
         raise ConfigError(f"bad value for {e.full_key!r} in {source}: {msg}") from None
