@@ -46,7 +46,6 @@ from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics, 
 from experiments.rl.models import load_model
 from experiments.rl.rollout import Rollouts, build_engine
 from experiments.rl.sync_engines import PolicyFactory
-from experiments.rl import vllm_engine  # noqa: F401  (registers rollout.engine=vllm; imports vllm only when used)
 from experiments.rl.tasks import build_task, format_prompt
 from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl
 from logra_core.step_control import step_scale
