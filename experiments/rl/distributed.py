@@ -236,6 +236,13 @@ class DataParallel:
         """Context in which ``model`` holds its whole weights (rollouts, evaluation)."""
         return nullcontext()
 
+    def micro_batches(self, rows: torch.Tensor, size: int) -> tuple[list[torch.Tensor], int]:
+        """``rows`` (this rank's trained row indices) cut into micro-batches of ``size``, padded by
+        :meth:`even_micro_batches`; returns (micro-batches, how many are real). The trainer trains the
+        padding ones with weight 0."""
+        micro = [rows[i : i + size] for i in range(0, len(rows), size)]
+        return self.even_micro_batches(micro), len(micro)
+
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
         """Micro-batches padded (with repeats of a real row, trained with weight 0) to the largest
         count on any rank, where every forward/backward is a collective (FSDP); else unchanged."""
