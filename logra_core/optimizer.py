@@ -23,6 +23,7 @@ optimizes all of its trainable parameters; ``zero_grad`` clears the sketches.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -36,6 +37,29 @@ from logra_core.sync import LowRankOp, apply_lowrank
 from logra_core.update import Update
 
 PROJECTIONS = ("rademacher", "gaussian", "svd")
+
+
+@dataclass
+class PendingLowRank:
+    """A sketched weight's proposed step, kept by :meth:`LoGRA.propose` for :meth:`LoGRA.apply`:
+    W ← (1 − s·decay)·W + s·alpha·left·right (``decay_first``: decay before the low-rank add)."""
+
+    param: torch.Tensor
+    left: torch.Tensor  # D, m × r
+    right: torch.Tensor  # A, r × n (rebuilt from its seed where it is a random projection)
+    alpha: float  # −η, folded into D at apply time
+    decay: float  # lr · weight decay
+    decay_first: bool
+
+
+@dataclass
+class PendingDense:
+    """An unsketched tensor's proposed AdamW step: θ ← (1 − s·decay)·θ + s·alpha·direction."""
+
+    param: torch.Tensor
+    direction: torch.Tensor  # m / (√v̂ + ε), the first moment without its bias correction
+    alpha: float  # −η / (1 − β₁ᵗ)
+    decay: float  # lr · weight decay
 
 
 class LoGRA(torch.optim.Optimizer):
@@ -129,7 +153,7 @@ class LoGRA(torch.optim.Optimizer):
                     if found is None:
                         continue
                     left, right, alpha, decay, decay_first = found
-                    update.pending.append(("lowrank", p, found))
+                    update.pending.append(PendingLowRank(p, *found))
                     update.lowrank[self.module_name[id(p)]] = (left * alpha, right)
                     if decay:
                         update.dense[self.param_name[id(p)]] = p.detach().float() * -decay
@@ -137,7 +161,7 @@ class LoGRA(torch.optim.Optimizer):
                 for p in group["params"]:
                     if p.grad is not None:
                         direction, alpha, decay = self._adamw_update(p, group)
-                        update.pending.append(("dense", p, (direction, alpha, decay)))
+                        update.pending.append(PendingDense(p, direction, alpha, decay))
                         update.dense[self.param_name[id(p)]] = direction * alpha - p.detach() * decay
         return update
 
@@ -149,15 +173,16 @@ class LoGRA(torch.optim.Optimizer):
         -> the :class:`LowRankOp` applied) and ``last_changed`` (names of the other tensors it moved).
         """
         self.last_lowrank, self.last_changed = {}, []
-        for kind, p, found in update.pending:
-            if kind == "dense":
-                direction, alpha, decay = found
+        for item in update.pending:
+            p = item.param
+            if isinstance(item, PendingDense):
+                direction, alpha, decay = item.direction, item.alpha, item.decay
                 if decay:
                     p.mul_(1 - scale * decay)
                 p.add_(direction, alpha=alpha * scale)
                 self.last_changed.append(self.param_name[id(p)])
                 continue
-            left, right, alpha, decay, decay_first = found
+            left, right, alpha, decay, decay_first = item.left, item.right, item.alpha, item.decay, item.decay_first
             target = self.state[p].get("master", local(p))  # a row-sharded weight: this rank's rows
             spec = self._basis_spec(p, right)
             op = LowRankOp((left * (alpha * scale)).to(target.dtype), spec, None if spec else right,
