@@ -48,7 +48,7 @@ SHORTHANDS = {"task": "task.name", "model": "model.name"}
 @dataclass
 class EvalConfig:
     every: int = 10  # greedy pass@1 evaluation every N steps (and at step 0 and the last step); 0 = never
-    size: int = 100  # held-out problems per evaluation (the first N of the test split)
+    size: int = 100  # held-out problems per evaluation (the first N of the test split in an order drawn from the run seed)
     max_new_tokens: int = 0  # generation budget for evaluation; 0 = same as rollout.max_new_tokens
     batch_size: int = 64  # prompts per generate call
     at_start: bool = True  # evaluate before the first update (the baseline accuracy)
@@ -71,7 +71,7 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     method: str = "dense"  # registry key of the optimization method (baselines.METHODS)
-    seed: int = 0  # seeds sampling, data order and anything random in the loop
+    seed: int = 0  # seeds sampling, data order, the held-out order (tasks.held_out) and anything random in the loop
     out_dir: str = "runs/default"  # the run directory: config, metrics, checkpoints
     resume: bool = False  # continue from the newest checkpoint in out_dir
     device: str = "auto"  # auto | cpu | cuda

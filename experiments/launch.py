@@ -9,9 +9,10 @@ Examples:
 
 Arguments: ``sweep=`` (required), ``launcher=<name>``, ``launcher.<key>=<value>`` (max_parallel,
 partition, account, gpus_per_node, cpus_per_task, nodes, timeout_min, mem_gb, wait, ...),
-``root=<dir>`` (default results/<sweep name>), ``--dry-run``, ``--memory`` (the planner's prediction in
-the dry run); any other ``key=value`` is a run-config key (``python -m experiments.train --help``),
-an override applied to every run (it changes the runs' keys, hence their directories). A sweep's
+``root=<dir>`` (default runs/<sweep name>, git-ignored; ``python -m experiments.publish`` copies a
+finished root into results/<sweep name>), ``--dry-run``, ``--memory`` (the planner's prediction in the
+dry run); any other ``key=value`` is a run-config key (``python -m experiments.train --help``), an
+override applied to every run (it changes the runs' keys, hence their directories). A sweep's
 ``grid``/``ablations`` pick a method with overrides as run-config keys: ``{method: logra, logra.rank: 32}``.
 
 Runs already marked complete (``done.json``) are skipped; the others run (or resume from their

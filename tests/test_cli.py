@@ -20,6 +20,7 @@ TOOLS = [
     ("experiments.memory.allreduce_bench", "big_rnak=0", "big_rank"),
     ("experiments.memory.gpu_memory", "seq_lenn=8", "seq_len"),
     ("experiments.memory.kl_bench", "completion_lenn=8", "completion_len"),
+    ("experiments.publish", "too=results/x", "to"),
 ]
 
 

@@ -298,13 +298,29 @@ def test_paper_profile_dry_run_lists_its_jobs(capsys, monkeypatch, tmp_path):
 @pytest.mark.parametrize("profile", ["quick", "cpu"])
 def test_profiles_resolve(profile, tmp_path):
     runs = load_sweep(profile, root=str(tmp_path)).runs()
-    assert {r.cfg.method for r in runs} == {"dense", "galore", "galore_layerwise", "lora", "logra"}
     if profile == "cpu":
-        assert {r.cfg.task.name for r in runs} == {"arith", "gsm8k"} and {r.cfg.seed for r in runs} == {0, 1, 2}
-        assert any(r.cfg.method == "logra" and r.cfg.step_control.enabled is False for r in runs)
-        assert {r.cfg.logra.rank for r in runs if r.cfg.method == "logra"} == {16, 64, 256}
+        def cell(r):
+            variant = ("nokl" if r.cfg.step_control.enabled is False else
+                       "emb" if r.cfg.method == "logra" and r.cfg.logra.embeddings else "")
+            return (r.cfg.task.digits, r.cfg.method, variant, r.cfg[r.cfg.method].lr)
+        arith = {(2, "dense", "", 1e-5), (2, "logra", "", 4e-5), (2, "logra", "nokl", 2e-5), (2, "logra", "emb", 4e-5),
+                 (2, "galore", "", 4e-5), (2, "lora", "", 1e-4)}
+        expected = {(c, seed) for c in arith | {(3, "dense", "", 1e-5), (3, "logra", "", 4e-5)} for seed in (0, 1, 2)}
+        assert sorted((cell(r), r.cfg.seed) for r in runs) == sorted(expected)  # every cell x 3 seeds, once
+        assert all(r.cfg.task.name == "arith" and r.cfg.train.steps == 30 and r.cfg.train.prompts_per_step == 8
+                   and r.cfg.train.group_size == 8 and r.cfg.eval.size == 500 for r in runs)
+        first_hard = min(i for i, r in enumerate(runs) if r.cfg.task.digits == 3)
+        assert all(r.cfg.task.digits == 2 for r in runs[:first_hard])  # a partial run finishes the arith cells first
     else:
+        assert {r.cfg.method for r in runs} == {"dense", "galore", "galore_layerwise", "lora", "logra"}
         assert all(r.cfg.model.name == "smollm2-135m-instruct" and r.cfg.task.name == "arith" for r in runs)
+
+
+def test_sweeps_train_into_runs_unless_told(tmp_path):
+    """The default root is the git-ignored runs/<sweep>; results/<sweep> is written only by experiments.publish."""
+    assert load_sweep("quick").root == Path("runs/quick")
+    assert load_sweep("quick", root=str(tmp_path)).root == tmp_path
+    assert all(str(r.run_dir).startswith("runs/quick/runs/") for r in load_sweep("quick").runs())
 
 
 def test_flatten_mixes_nested_and_dotted_keys():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from experiments.rl.tasks import (
-    MATH500_TRAIN, TASKS, Problem, TaskConfig, arith_value, build_task, format_prompt,
+    MATH500_TRAIN, TASKS, Problem, TaskConfig, arith_value, build_task, format_prompt, held_out,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +61,19 @@ def test_arith_splits_disjoint_unique_and_sized(seed):
 
 def test_arith_test_split_independent_of_train_size():
     assert build_task(arith(train_size=10)).test_split() == build_task(arith(train_size=200)).test_split()
+
+
+def test_held_out_order_follows_the_run_seed():
+    test = build_task(arith()).test_split()
+    orders = {seed: held_out(test, len(test), seed) for seed in range(3)}
+    for seed, order in orders.items():
+        assert sorted(p.uid for p in order) == sorted(p.uid for p in test)  # the same problems ...
+        assert order == held_out(test, len(test), seed)  # ... in a reproducible order
+    assert len({tuple(p.uid for p in o) for o in orders.values()}) == 3  # that differs between seeds
+    assert all(o != test for o in orders.values())
+    assert held_out(test, 10, 1) == orders[1][:10]  # a smaller size takes the head of the seed's order
+    assert held_out(test, 10, 1) != held_out(test, 10, 2)
+    assert held_out(test, 10**6, 0) == orders[0]  # a size past the split: all of it
 
 
 def test_arith_too_small_space_raises():

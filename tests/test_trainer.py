@@ -11,6 +11,7 @@ from experiments.rl.checkpoint import list_checkpoints
 from experiments.rl.metrics import read_metrics
 from experiments.rl.trainer import GRPOTrainer
 from tests.conftest import TINY
+from experiments.rl.tasks import TaskConfig, held_out
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
 
@@ -152,3 +153,14 @@ def test_reward_timeouts_are_logged_per_step(tmp_path, monkeypatch):
     monkeypatch.setattr(toy_task.Toy, "reward_function", lambda self: Slow())
     _, metrics = run(tmp_path, "train.steps=2", "eval.every=0")
     assert [m["reward/timeouts"] for m in metrics] == [2.0, 2.0]
+
+
+def test_the_run_seed_orders_the_evaluated_held_out_problems(tmp_path):
+    test = Toy(TaskConfig(name="toy")).test_split()  # 8 problems
+    seen = {}
+    for seed in (0, 1):
+        trainer = GRPOTrainer(build_config([*TINY, f"out_dir={tmp_path / str(seed)}", f"seed={seed}", "eval.size=5"]))
+        seen[seed] = [p.uid for p in trainer.test_problems]
+        trainer.close()
+        assert seen[seed] == [p.uid for p in held_out(test, 5, seed)]
+    assert seen[0] != seen[1]

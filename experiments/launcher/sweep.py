@@ -46,6 +46,9 @@ __all__ = ["DONE", "NOT_IDENTITY", "Run", "Sweep", "config_hash", "dotlist_value
 SWEEP_DIR = Path(__file__).resolve().parents[1] / "sweeps"
 SWEEP_KEYS = {"name", "config", "root", "base", "grid", "ablations", "launcher", "planner", "after"}
 DONE = "done.json"
+# Where a sweep trains unless told otherwise: runs/<sweep name> (git-ignored). The committed
+# results/<profile>/ is a reference, written only by ``python -m experiments.publish``.
+RUNS_DIR = "runs"
 # Readable run names list the grid values in this order (method, model, task, then the rest, seed last).
 NAME_ORDER = ["method", "model", "model.name", "task", "task.name"]
 
@@ -175,7 +178,8 @@ def sweep_path(name: str) -> Path:
 
 
 def load_sweep(name: str, root: Optional[str] = None) -> Sweep:
-    """Read a sweep YAML (a path or a name in experiments/sweeps/). ``root`` overrides its results root."""
+    """Read a sweep YAML (a path or a name in experiments/sweeps/). ``root`` overrides its results
+    root (default: the YAML's ``root:``, else ``runs/<sweep name>``)."""
     path = sweep_path(name)
     data = yaml.safe_load(path.read_text()) or {}
     unknown = set(data) - SWEEP_KEYS
@@ -186,7 +190,7 @@ def load_sweep(name: str, root: Optional[str] = None) -> Sweep:
     return Sweep(
         name=sweep_name,
         path=path,
-        root=Path(root or data.get("root") or f"results/{sweep_name}"),
+        root=Path(root or data.get("root") or f"{RUNS_DIR}/{sweep_name}"),
         config=data.get("config"),
         base=data.get("base") or {},
         grid=grid,

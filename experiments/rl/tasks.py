@@ -119,6 +119,16 @@ def format_prompt(tokenizer, problem: Problem, instruction: str) -> str:
     return content + "\n"
 
 
+def held_out(problems: list[Problem], size: int, seed: int) -> list[Problem]:
+    """The problems one run evaluates: the first ``size`` of the held-out split in the order of a
+    permutation drawn from ``Random(f"held_out/{seed}")`` (the run's seed). The split's content
+    stays fixed by the task; its order, and so which problems a smaller ``size`` takes and how
+    they fall into evaluation batches, changes with the seed like sampling and data order do."""
+    order = list(problems)
+    random.Random(f"held_out/{seed}").shuffle(order)
+    return order[:size]
+
+
 # --- arith ----------------------------------------------------------------------------
 
 

@@ -43,7 +43,7 @@ from experiments.rl.rollout import Rollouts, build_engine
 from experiments.rl.run_dir import RunDirectory
 from experiments.rl.sync_engines import PolicyFactory
 from experiments.rl.sync_stats import WeightSync
-from experiments.rl.tasks import build_task, format_prompt
+from experiments.rl.tasks import build_task, format_prompt, held_out
 from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl
 from logra_core.step_control import step_scale
 
@@ -75,7 +75,7 @@ class GRPOTrainer:
 
         self.task = build_task(c.task)
         self.train_problems = self.task.train_split()
-        self.test_problems = self.task.test_split()[: c.eval.size]
+        self.test_problems = held_out(self.task.test_split(), c.eval.size, c.seed)  # seeded order
         if not self.train_problems:
             raise ValueError(f"task {c.task.name!r} has no training problems")
         self.reward_fn = self.task.reward_function()
@@ -379,7 +379,7 @@ class GRPOTrainer:
     # ---- evaluation, logging --------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 on the first ``eval.size`` held-out problems."""
+        """Greedy pass@1 on the run's ``eval.size`` held-out problems (``tasks.held_out``: a seeded order)."""
         c = self.cfg
         t0 = time.perf_counter()
         correct, lengths = [], []
