@@ -3,6 +3,11 @@
     from analysis.load import load_runs, load_memory_csv
     runs = load_runs("results/quick")          # one row per (run, step)
     mem = load_memory_csv("results/quick")     # <root>/memory/memory.csv, or None
+    some = load_dirs(["results/a/run1", "results/b/run2"])   # named run directories, same columns
+
+The one loader of the analysis: the root-wide report (``python -m analysis <root>``) and the
+per-run-directory tools (``analysis.summary``, ``analysis.curves``, ``analysis.traces``) all read
+run directories through :func:`read_run`.
 
 A run directory is any folder below the root holding ``config.yaml`` and ``metrics.jsonl`` (the
 trainer's ``out_dir``), at any depth; ``checkpoints/`` folders are not searched. Each row of
@@ -113,6 +118,39 @@ def load_runs(root: str | Path) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame(columns=["run", "step", "method", "seed", "task_label", "variant"])
     return label_runs(pd.concat(frames, ignore_index=True))
+
+
+def load_dirs(run_dirs) -> pd.DataFrame:
+    """The named run directories (not searched below), in the given order, as :func:`load_runs`
+    gives them; ``run`` is the directory's name (its path where two names collide). A directory
+    without ``config.yaml`` and ``metrics.jsonl`` is an error naming it."""
+    run_dirs = [Path(d) for d in run_dirs]
+    missing = [str(d) for d in run_dirs if not ((d / CONFIG).is_file() and (d / METRICS).is_file())]
+    if missing:
+        raise FileNotFoundError(f"not run directories (need {CONFIG} and {METRICS}): {', '.join(missing)}")
+    names = [d.resolve().name for d in run_dirs]
+    frames = []
+    for d, name in zip(run_dirs, names):
+        frame = read_run(d, d)
+        if frame.empty:
+            print(f"[analysis] {d}: no metrics yet, skipped")
+            continue
+        frames.append(frame.assign(run=name if names.count(name) == 1 else str(d)))
+    if not frames:
+        return pd.DataFrame(columns=["run", "step", "method", "seed", "task_label", "variant"])
+    return label_runs(pd.concat(frames, ignore_index=True))
+
+
+def dir_labels(runs: pd.DataFrame) -> dict[str, str]:
+    """``run`` -> ``"<run> (<method> lr=<its lr>)"`` (just the method part where it equals the run's
+    name): how the per-run-directory tools name a run in legends and tables."""
+    labels = {}
+    for run, row in per_run(runs).iterrows():
+        method = str(row["method"])
+        lr = row.get(f"{method}.lr")
+        what = f"{method} lr={lr:g}" if lr is not None and pd.notna(lr) else method
+        labels[run] = what if run == what else f"{run} ({what})"
+    return labels
 
 
 def per_run(runs: pd.DataFrame) -> pd.DataFrame:

@@ -14,8 +14,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.curves import save as save_png_pdf  # noqa: E402
-
 GROUP = ["task_label", "variant"]  # one experiment = a task × a method variant, repeated over seeds
 
 
@@ -132,6 +130,15 @@ def dense_reference(runs: pd.DataFrame) -> dict[str, str]:
         variants = sorted(of_task["variant"].unique())
         ref[task] = max(variants, key=lambda v: (score.get((task, v), -math.inf), -variants.index(v)))
     return ref
+
+
+def save_png_pdf(fig, out: Path) -> None:
+    """``out`` (PNG) and a PDF beside it; closes the figure."""
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    fig.savefig(out.with_suffix(".pdf"))
+    plt.close(fig)
 
 
 def save_figure(fig, out_dir: Path, name: str) -> list[Path]:

@@ -2,41 +2,54 @@
 
     python -m analysis.summary runs/quick/dense [more run dirs ...] [--out summary.md]
 
-Reads only what the run wrote (``config.yaml``, ``meta.json``, ``metrics.jsonl``).
+Reads what the run wrote (``config.yaml``, ``meta.json``, ``metrics.jsonl``) through
+:func:`analysis.load.load_dirs`. For a whole results root (seeds averaged, differences to dense),
+``python -m analysis <root>`` writes ``tables/accuracy.md`` instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 from pathlib import Path
 
-import yaml
+import pandas as pd
+
+from analysis.load import load_dirs
 
 COLUMNS = ["run", "method", "task", "seed", "steps", "eval@start", "eval@end", "eval steps", "median s/step", "peak RSS GiB", "git sha"]
 
 
-def summarize(run_dir: Path) -> dict:
-    run_dir = Path(run_dir)
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    meta = json.loads((run_dir / "meta.json").read_text())
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    evals = [r for r in rows if r.get("eval/accuracy") is not None]
-    steps = [r for r in rows if r["step"] > 0]
+def _column(rows: pd.DataFrame, key: str) -> pd.Series:
+    return rows[key].dropna() if key in rows else pd.Series(dtype=float)
+
+
+def summarize_rows(run: str, rows: pd.DataFrame) -> dict:
+    """The summary row of one run, from its rows of :func:`analysis.load.load_dirs`."""
+    first = rows.iloc[0]
+    evals = rows[rows["eval/accuracy"].notna()] if "eval/accuracy" in rows else rows.iloc[:0]
+    steps = rows[rows["step"] > 0]
+    step_s, rss = _column(steps, "time/step_s"), _column(steps, "mem/peak_rss_bytes")
     return {
-        "run": run_dir.name,
-        "method": cfg["method"],
-        "task": cfg["task"]["name"],
-        "seed": cfg["seed"],
-        "steps": max((r["step"] for r in steps), default=0),
-        "eval@start": f"{evals[0]['eval/accuracy']:.2f}" if evals else "-",
-        "eval@end": f"{evals[-1]['eval/accuracy']:.2f}" if evals else "-",
-        "eval steps": " ".join(f"{r['step']}:{r['eval/accuracy']:.2f}" for r in evals),
-        "median s/step": f"{statistics.median(r['time/step_s'] for r in steps):.1f}" if steps else "-",
-        "peak RSS GiB": f"{max(r['mem/peak_rss_bytes'] for r in steps) / 2**30:.2f}" if steps else "-",
-        "git sha": meta.get("git_sha", "unknown")[:12],
+        "run": run,
+        "method": first["method"],
+        "task": first.get("task.name", "?"),
+        "seed": first.get("seed", "?"),
+        "steps": int(steps["step"].max()) if len(steps) else 0,
+        "eval@start": f"{evals['eval/accuracy'].iloc[0]:.2f}" if len(evals) else "-",
+        "eval@end": f"{evals['eval/accuracy'].iloc[-1]:.2f}" if len(evals) else "-",
+        "eval steps": " ".join(f"{s}:{a:.2f}" for s, a in zip(evals["step"], evals["eval/accuracy"])),
+        "median s/step": f"{step_s.median():.1f}" if len(step_s) else "-",
+        "peak RSS GiB": f"{rss.max() / 2**30:.2f}" if len(rss) else "-",
+        "git sha": str(first["git_sha"])[:12],
     }
+
+
+def summarize(run_dir: Path) -> dict:
+    """The summary row of one run directory (ValueError if it logged no metrics yet)."""
+    runs = load_dirs([run_dir])
+    if runs.empty:
+        raise ValueError(f"{run_dir}: no metrics yet")
+    return summarize_rows(runs["run"].iloc[0], runs)
 
 
 def to_markdown(rows: list[dict]) -> str:
@@ -50,7 +63,8 @@ def main(argv=None) -> None:
     parser.add_argument("run_dirs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, help="also write the table to this file")
     args = parser.parse_args(argv)
-    table = to_markdown([summarize(d) for d in args.run_dirs])
+    runs = load_dirs(args.run_dirs)
+    table = to_markdown([summarize_rows(run, rows) for run, rows in runs.groupby("run", sort=False)])
     print(table, end="")
     if args.out:
         args.out.write_text(table)

@@ -3,60 +3,69 @@
     python -m analysis.traces results/step_control/*/ --out results/step_control/traces.png
 
 One panel per metric (``--keys``, default ``kl/predicted kl/realized step/scale``; KL panels on a log
-scale), one line per run, plus a Markdown table beside the PNG (``traces.md``) with, per run and
-metric, the median, min and max over the steps that logged it and, for runs that logged both KLs,
-the median of realized / predicted·s². Reads only ``config.yaml`` and ``metrics.jsonl``.
+scale), one line per run directory, plus a Markdown table beside the PNG (``traces.md``) with, per
+run and metric, the median, min and max over the steps that logged it and, for runs that logged
+both KLs, the median of realized / predicted·s². Runs are read by :func:`analysis.load.load_dirs`;
+for a whole results root, ``python -m analysis <root>`` writes the ``kl`` table and the
+``kl_scatter`` / ``scale_trace`` figures instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
 
-from analysis.curves import load, save  # noqa: E402
+from analysis.load import dir_labels, load_dirs  # noqa: E402
+from analysis.render import save_png_pdf  # noqa: E402
 
 DEFAULT_KEYS = ("kl/predicted", "kl/realized", "step/scale")
 
 
-def table(run_dirs: list[Path], keys: tuple[str, ...]) -> str:
+def _logged(rows: pd.DataFrame, key: str) -> pd.DataFrame:
+    return rows[rows[key].notna()] if key in rows else rows.iloc[:0]
+
+
+def table(runs: pd.DataFrame, keys: tuple[str, ...]) -> str:
+    labels = dir_labels(runs)
     lines = ["| run | metric | steps | median | min | max |", "|---|---|---|---|---|---|"]
-    for run_dir in run_dirs:
-        label, rows = load(Path(run_dir))
+    for run, rows in runs.groupby("run", sort=False):
         for key in keys:
-            values = [r[key] for r in rows if r.get(key) is not None]
-            if values:
-                lines.append(f"| {label} | {key} | {len(values)} | {statistics.median(values):.3g} | "
-                             f"{min(values):.3g} | {max(values):.3g} |")
-        both = [r["kl/realized"] / r["kl/predicted_scaled"] for r in rows
-                if r.get("kl/realized") is not None and r.get("kl/predicted_scaled")]
-        if both:
-            lines.append(f"| {label} | realized / predicted·s² | {len(both)} | {statistics.median(both):.3g} | "
-                         f"{min(both):.3g} | {max(both):.3g} |")
+            values = _logged(rows, key)[key]
+            if len(values):
+                lines.append(f"| {labels[run]} | {key} | {len(values)} | {values.median():.3g} | "
+                             f"{values.min():.3g} | {values.max():.3g} |")
+        both = _logged(_logged(rows, "kl/realized"), "kl/predicted_scaled")
+        both = both[both["kl/predicted_scaled"] != 0]
+        if len(both):
+            ratio = both["kl/realized"] / both["kl/predicted_scaled"]
+            lines.append(f"| {labels[run]} | realized / predicted·s² | {len(ratio)} | {ratio.median():.3g} | "
+                         f"{ratio.min():.3g} | {ratio.max():.3g} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(run_dirs: list[Path], out: Path, keys: tuple[str, ...] = DEFAULT_KEYS) -> None:
+    runs = load_dirs(run_dirs)
+    labels = dir_labels(runs)
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.8), squeeze=False)
-    for i, run_dir in enumerate(run_dirs):
-        label, rows = load(Path(run_dir))
+    for i, (run, rows) in enumerate(runs.groupby("run", sort=False)):
         for ax, key in zip(axes[0], keys):
-            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), ".-", color=f"C{i}", label=label)
+            pts = _logged(rows, key)
+            if len(pts):
+                ax.plot(pts["step"], pts[key], ".-", color=f"C{i}", label=labels[run])
     for ax, key in zip(axes[0], keys):
         ax.set(xlabel="GRPO step", title=key)
         if key.startswith("kl/"):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    save(fig, out)
-    out.with_suffix(".md").write_text(table(run_dirs, keys))
+    save_png_pdf(fig, out)
+    out.with_suffix(".md").write_text(table(runs, keys))
 
 
 def main(argv: list[str] | None = None) -> int:

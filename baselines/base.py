@@ -12,6 +12,11 @@ everything needed to continue bit for bit. With predicted-KL step control the tr
 ``propose()`` (the update, not applied) and ``apply(update, scale)`` instead of ``step()``.
 Before stepping, the trainer asks ``nonfinite()`` for the first accumulated tensor with a NaN/Inf
 and, if there is one, calls ``discard()`` instead of stepping (``experiments/rl/guard.py``).
+
+A method also declares what only it knows, so the tools ask it instead of naming it: the metric keys
+it logs beyond the harness' (``metrics``, with their meanings; ``experiments/rl/metrics.py``), and its
+part of a step's memory for the planner (``memory_terms``, ``rank_key``, ``plan_option_names``;
+:mod:`baselines.memory_terms`, ``experiments/memory/planner.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from baselines.memory_terms import MemoryTerms, PlanContext
 from logra_core.distributed import all_reduce_sum, local
 from logra_core.update import Update
 
@@ -63,6 +69,22 @@ class Method:
     supports_step_control: ClassVar[bool] = True  # False where updates happen inside backward
     supports_data_parallel: ClassVar[bool] = True  # False where updates land before gradients could be reduced
     elementwise_optimizer: ClassVar[bool] = False  # its optimizer acts elementwise on trainable tensors (DeepSpeed ZeRO may partition it)
+    metrics: ClassVar[dict[str, str]] = {}  # metric keys its step() logs beyond experiments/rl/metrics.py's, with their meanings
+    rank_key: ClassVar[str | None] = None  # the config field that is the planner's `rank` (sketch rank, LoRA r); None: no rank
+    plan_option_names: ClassVar[frozenset[str]] = frozenset()  # planner options only this method reads (PlanContext.options)
+
+    @classmethod
+    def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
+        """Its part of one training step's memory (:mod:`baselines.memory_terms`), for the planner."""
+        raise NotImplementedError(f"method {cls.name!r} declares no memory terms (Method.memory_terms)")
+
+    @classmethod
+    def plan_options(cls, cfg: Any) -> dict:
+        """The planner's keyword arguments that follow from this method's config section ``cfg``
+        (``rank`` from ``rank_key``, and the fields named in ``plan_option_names``)."""
+        out = {"rank": int(getattr(cfg, cls.rank_key))} if cls.rank_key else {}
+        out.update({k: getattr(cfg, k) for k in sorted(cls.plan_option_names)})
+        return out
 
     def __init__(self, cfg: Any):
         self.cfg = cfg

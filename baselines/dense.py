@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from baselines.base import Method, register_method
+from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries
 
 
 @dataclass
@@ -37,3 +38,12 @@ class DenseAdamW(Method):
 
     def step(self) -> dict[str, float]:
         return self.clipped_step(self.params, self.cfg.max_grad_norm)
+
+    @classmethod
+    def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
+        """AdamW state on every weight, every weight's gradient, AdamW's temporaries at the step."""
+        s = ctx.shapes
+        return MemoryTerms(
+            state=[Term("optimizer", "AdamW state", s.total * ctx.adam_bytes // ctx.shard_optimizer)],
+            grads=[Term("grads", "gradients", s.total * ctx.weight_bytes // ctx.shard_grads, "every weight, weight dtype")],
+            step=[adamw_temporaries(ctx, max([s.embed] + [m * n for m, n in s.proj]))])

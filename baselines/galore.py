@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from baselines.base import Method, first_nonfinite, register_method
+from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries
 from logra_core.sketch import DEFAULT_TARGETS, select_linears
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
@@ -131,11 +132,49 @@ def _restore_projectors(optimizer: torch.optim.Optimizer) -> None:
         s["projector"] = proj
 
 
+def galore_state(ctx: PlanContext) -> list[Term]:
+    """GaLoreAdamW's state: a projector and two r-row moments per projection, AdamW on the rest."""
+    s, r = ctx.shapes, ctx.rank
+    projector, moments = 0, 0
+    for m, n in s.proj:
+        rr = min(r, m, n)
+        # galore_torch keeps Vh[:r] / U[:, r] of the fp32 SVD: a view, so the whole min(m,n)^2 factor
+        # stays alive; for bf16/fp16 weights it keeps a cast copy (min side x r)
+        projector += (min(m, n) ** 2 * 4) if ctx.moment_bytes == 4 else min(m, n) * rr * ctx.moment_bytes
+        moments += max(m, n) * rr * 2 * ctx.moment_bytes
+    rest = s.n_rest * ctx.adam_bytes + s.n_proj * ctx.master_bytes
+    return [Term("optimizer", "GaLore projectors", projector // ctx.shard_optimizer,
+                 "fp32: the whole min(m,n)^2 SVD factor (galore_torch keeps a view of it); else min(m,n) x r"),
+            Term("optimizer", "GaLore moments + AdamW of the rest", (moments + rest) // ctx.shard_optimizer,
+                 f"two moments of max(m,n) x min(r,m,n) per projection; AdamW ({ctx.adam_bytes} B) for embedding/norms")]
+
+
+def galore_grads(ctx: PlanContext) -> Term:
+    return Term("grads", "gradients", ctx.shapes.total * ctx.weight_bytes // ctx.shard_grads, "every weight, weight dtype")
+
+
+def galore_assumption(ctx: PlanContext) -> str:
+    return f"galore: rank min({ctx.rank}, m, n), proj_type std (projector on the smaller side)"
+
+
 @register_method("galore")
 class GaLore(Method):
     """GaLoreAdamW: projections train in their top-r gradient subspace, the rest by AdamW."""
 
     config_cls = GaLoreConfig
+    rank_key = "rank"
+
+    @classmethod
+    def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
+        """Projectors and low-rank moments, every weight's gradient; at the step AdamW's temporaries and
+        the projected-back full-size update of the largest projection."""
+        s = ctx.shapes
+        m, n = max(s.proj, key=lambda x: x[0] * x[1])
+        step = [adamw_temporaries(ctx, max([s.embed] + [a * b for a, b in s.proj])),
+                Term("activations", "GaLore project-back", 2 * m * n * ctx.moment_bytes // ctx.shard_optimizer,
+                     "the full-size update and its scaled copy")]
+        return MemoryTerms(state=galore_state(ctx), grads=[galore_grads(ctx)], step=step,
+                           assumptions=[galore_assumption(ctx)])
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         self.params = self.trainable_parameters(model)
@@ -158,8 +197,27 @@ class GaLoreLayerwise(Method):
     """One GaLoreAdamW per parameter, stepped in its post-accumulate-grad hook (see module doc)."""
 
     config_cls = GaLoreConfig
+    rank_key = "rank"
     supports_step_control = False  # each layer's update is applied inside backward: nothing left to scale
     supports_data_parallel = False  # ... and before the ranks' gradients could be summed
+    metrics = {"step/params_stepped": "parameters stepped inside backward hooks in the update"}
+
+    @classmethod
+    def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
+        """GaLore's state; with one micro-batch per update one gradient at a time (each weight steps in
+        its hook and frees its gradient), else every gradient of the earlier micro-batches; nothing is
+        left to step after backward."""
+        s = ctx.shapes
+        notes = [galore_assumption(ctx)]
+        if ctx.micro_batches == 1:
+            grads = [Term("grads", "one gradient at a time",
+                          max(max(m * n for m, n in s.proj), s.embed) * ctx.weight_bytes // ctx.shard_grads,
+                          "galore_layerwise steps each weight in its grad hook and frees the gradient")]
+        else:
+            grads = [galore_grads(ctx)]
+            notes.append("galore_layerwise with several micro-batches: the hooks step only in the last micro-batch's "
+                         "backward, so the earlier micro-batches' gradients are all alive (as in galore)")
+        return MemoryTerms(state=galore_state(ctx), grads=grads, grads_at_step=False, assumptions=notes)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         self.optimizers: dict[str, torch.optim.Optimizer] = {}

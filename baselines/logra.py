@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from baselines.base import Method, first_nonfinite, register_method
+from baselines.memory_terms import MemoryTerms, PlanContext, Term
 from logra_core.optimizer import LoGRA
 from logra_core.sketch import DEFAULT_TARGETS
 
@@ -38,6 +39,53 @@ class LoGRAMethod(Method):
 
     config_cls = LoGRAConfig
     step_control_default = True  # DESIGN §3.2: predicted-KL step control is part of the method
+    rank_key = "rank"
+    plan_option_names = frozenset({"embeddings"})  # the planner's embeddings=true: sketch the embedding and a tied head
+
+    @classmethod
+    def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
+        """Projections learn through m x r fp32 sketches (no dense gradient, no saved input: the layer
+        keeps X A^T instead of X), with one fp32 second moment per row; the unsketched tensors
+        (norms, biases, the embedding/head unless ``embeddings``) train by AdamW. Kept on the layers:
+        the last applied D (m x r) for weight sync and the projection A (r x n). At the step, the
+        update (D and its scaled copy, AdamW's direction and entry) is held until ``apply``."""
+        s, r, b, o = ctx.shapes, ctx.rank, ctx.weight_bytes, ctx.shard_optimizer
+        emb = bool(ctx.options.get("embeddings", False))
+        head_sketched = emb and s.tied
+        embed_dense, head_dense = not emb, not head_sketched
+        V, h = s.vocab, s.hidden
+        dense_rest = s.norms + s.biases + (s.embed if embed_dense else 0) + (s.head if head_dense and not s.tied else 0)
+        rows = sum(m for m, _ in s.proj) + (V if emb else 0)
+        state = [Term("optimizer", "LoGRA row second moments", rows * 4 // o, f"{rows:,} rows, fp32")]
+        if ctx.low:
+            state.append(Term("optimizer", "LoGRA fp32 masters", (s.n_proj + (s.embed if emb else 0)) * 4 // o,
+                              "logra_core keeps an fp32 copy of each low-precision sketched weight"))
+        state.append(Term("optimizer", "AdamW state of the unsketched tensors", dense_rest * ctx.adam_bytes // o,
+                          "embedding/head (unless sketched), norms, biases"))
+        state.append(Term("activations", "LoGRA's last applied D factors", rows * r * 4 // o,
+                          f"m x {r} fp32 per sketched weight, kept for weight sync (logra_core.optimizer last_lowrank)"))
+        bases = (sum(n for _, n in s.proj) + (h if emb else 0)) * r * 4
+        state.append(Term("activations", "LoGRA projections A", bases // o,
+                          f"{r} x n fp32 per sketched weight, regenerated once per step and cached on the layer"))
+        if emb:
+            state.append(Term("optimizer", "LoGRA embedding sketch", V * r * 4 // o,
+                              f"V x {r} fp32 (the first micro-batch creates it, zero-filled)"))
+        grads = [Term("grads", "gradients of the unsketched tensors", dense_rest * b // ctx.shard_grads),
+                 Term("optimizer", "LoGRA sketches", sum(m for m, _ in s.proj) * r * 4 // o, f"m x {r} fp32 per projection")]
+        biggest_dense = max([s.embed if embed_dense else 0, s.head if head_dense else 0, h])
+        step = [Term("activations", "update of the unsketched tensors", 2 * dense_rest * b // o,
+                     "AdamW direction and the dense entry per tensor, held in the Update until apply"),
+                Term("activations", "temporaries of the largest dense entry", 2 * biggest_dense * b // o,
+                     "direction * alpha and p * decay while the entry is formed"),
+                Term("activations", "D and its scaled copy", 2 * rows * r * 4 // o,
+                     f"m x {r} fp32 per sketched weight, held in the Update until apply")]
+        head = [Term("activations", "head sketch contribution", V * r * 4, f"V x {r} fp32, added to the embedding sketch")] \
+            if head_sketched else []
+        return MemoryTerms(
+            state=state, grads=grads, step=step, saves_inputs=False, embed_grad=embed_dense, head_grad=head_dense, head=head,
+            layer_extra=[(7 * r, 4, f"X A^T (tokens x {r}, fp32) per sketched projection instead of X")],
+            assumptions=[f"logra: projections learn through m x r sketches (r={r}), no dense gradient; embedding "
+                         + ("and tied head sketched" if emb else "and head trained by AdamW with a dense gradient")])
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         c = self.cfg

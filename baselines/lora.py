@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from baselines.base import Method, register_method
+from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -89,6 +90,24 @@ class LoRA(Method):
     """peft LoRA adapters train by AdamW; the base model is frozen."""
 
     config_cls = LoRAConfig
+    rank_key = "r"
+
+    @classmethod
+    def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
+        """fp32 adapters A (r x n) and B (m x r) on every projection with AdamW state and gradients;
+        base weights, embedding and norms frozen, so only the adapters' inputs are saved for gradients
+        and nothing gets a dense V x h gradient."""
+        s, r = ctx.shapes, ctx.rank
+        adapters = sum(r * (m + n) for m, n in s.proj)
+        return MemoryTerms(
+            state=[Term("params", "LoRA adapters", adapters * 4 // ctx.shard_params, f"r={r} A and B on every projection, fp32"),
+                   Term("optimizer", "AdamW state of the adapters", adapters * 8 // ctx.shard_optimizer, "two fp32 moments")],
+            grads=[Term("grads", "adapter gradients", adapters * 4 // ctx.shard_grads)],
+            step=[adamw_temporaries(ctx, max(r * max(m, n) for m, n in s.proj))],
+            trains_norms=False, trains_embedding=False, embed_grad=False, head_grad=False,
+            input_bytes=4 if ctx.low else None,
+            layer_extra=[(7 * r, 4, f"lora_A's output (tokens x {r}, fp32) per adapter, lora_B's input")],
+            assumptions=["lora: base weights, embedding and norms frozen (no gradient, no state)"])
 
     def prepare(self, model: nn.Module) -> nn.Module:
         from peft import LoraConfig, get_peft_model

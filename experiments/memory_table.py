@@ -62,6 +62,7 @@ KEYS = {k: str(v) for k, v in asdict(MemoryTableArgs()).items()}  # the settings
 def child(spec: str, args: dict) -> dict:
     import tempfile
 
+    from baselines import METHODS
     from experiments.config import build_config
     from experiments.memory.planner import plan
     from experiments.memory.profiler import MemoryProfiler, optimizer_tensors
@@ -92,15 +93,13 @@ def child(spec: str, args: dict) -> dict:
         if prof.trace:
             _write_trace(prof, Path(args["out"]) / f"trace_{spec.replace(':', '_').replace('=', '_')}.txt")
         seq_len = rollouts.prompt_ids.shape[1] + rollouts.completion_ids.shape[1]
-        section = cfg.get(method) or {}
         try:
             p = plan(args["model"], method, micro_batch=mb, seq_len=seq_len, completion_len=rollouts.completion_ids.shape[1],
-                     micro_batches=-(-seqs // mb), rank=int(section.get("rank", section.get("r", 64))),
+                     micro_batches=-(-seqs // mb), **{"rank": 64, **METHODS[method].plan_options(cfg[method])},
                      dtype={"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype], rollout="none",
                      other_gb=0.0, gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
                      logprob_chunk=int(cfg.train.logprob_chunk), master_weights=False,
-                     padded=bool((rollouts.prompt_mask == 0).any()),
-                     embeddings=bool(section.get("embeddings", False)) if method == "logra" else False)
+                     padded=bool((rollouts.prompt_mask == 0).any()))
             planned, planned_at, candidates = p.total_bytes, p.peak_at, p.candidates
         except ValueError:
             planned, planned_at, candidates = "", "", {}

@@ -9,7 +9,9 @@ the same rows of the sketch.
 
 :func:`all_reduce_sum` sums a list of tensors in one flat buffer per dtype (a tensor that is
 ``None`` on some rank counts as zeros there and stays ``None`` where it is ``None`` on every rank);
-:func:`local_rows` tells which rows of a (possibly sharded) weight this rank holds.
+:func:`local_rows` tells which rows of a (possibly sharded) weight this rank holds;
+:func:`gather_rows` rebuilds a whole row-sharded factor (D of ΔW = D A: every rank's D_k, m × r)
+from the ranks' shares.
 """
 
 from __future__ import annotations
@@ -52,6 +54,27 @@ def local_rows(p: torch.Tensor) -> Optional[slice]:
     chunk = -(-rows // world)
     start = min(coord * chunk, rows)
     return slice(start, start + local(p).shape[0])
+
+
+def gather_rows(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole [m, ...] tensor of which ``t`` holds this rank's rows, sharded as FSDP shards the
+    rows of ``like`` (m rows, :func:`local_rows`); ``t`` itself when ``like`` is not row-sharded.
+
+    Every rank of ``like``'s mesh must call it (an all-gather of ⌈m / world⌉-row chunks, the last
+    ranks' zero-padded); the result is bit-identical on every rank.
+    """
+    rows = local_rows(like)
+    if rows is None:
+        return t
+    mesh = like.device_mesh
+    group, world, m = mesh.get_group(), mesh.size(), like.shape[0]
+    chunk = -(-m // world)
+    if t.shape[0] != rows.stop - rows.start:
+        raise ValueError(f"gather_rows: {t.shape[0]} rows given, this rank holds {rows.stop - rows.start} of {m}")
+    padded = torch.nn.functional.pad(t.detach().reshape(t.shape[0], -1), (0, 0, 0, chunk - t.shape[0])).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat(parts)[:m].view(m, *t.shape[1:])
 
 
 def all_reduce_sum(tensors: Sequence[Optional[torch.Tensor]], group=None,

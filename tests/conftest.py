@@ -1,4 +1,18 @@
-"""Shared fixtures: a toy task whose reward a random tiny model can earn, tiny-run overrides."""
+"""Shared fixtures (a toy task whose reward a random tiny model can earn, tiny-run overrides) and the
+test tiers.
+
+Every test belongs to exactly one tier (markers registered in pyproject.toml):
+
+- ``unit``: math and equivalences on tiny tensors or small in-process modules; no trained GRPO
+  run, no named model loaded, no subprocess. ``./run_tests.sh -m unit`` is the fast loop.
+- ``integration``: tiny-llama end to end (the trainer, the launcher, benchmarks), subprocesses,
+  torchrun/gloo, the notebook.
+- ``slow``: the real SmolLM2-135M-Instruct.
+
+A file sets its tier with ``pytestmark = pytest.mark.<tier>``; a test marked with another tier
+belongs to that tier only (the closest marker wins, so ``-m unit`` never selects an integration
+test of a mostly-unit file). A test without a tier is a collection error naming it.
+"""
 
 import os
 from pathlib import Path
@@ -31,3 +45,28 @@ def data_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"no data folder at {path} (set LOGRA_DATA_DIR)")
     return path
+
+
+TIERS = ("unit", "integration", "slow")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Give each test its closest tier marker only (before ``-m`` selects), or refuse it untiered."""
+    closest, untiered = {}, []
+    for item in items:
+        tier = next((m.name for m in item.iter_markers() if m.name in TIERS), None)
+        if tier is None:
+            untiered.append(item.nodeid)
+        closest[item] = tier
+    if untiered:
+        raise pytest.UsageError(
+            f"tests without a tier marker ({' | '.join(TIERS)}): {', '.join(untiered[:10])}"
+            f"{' ...' if len(untiered) > 10 else ''}. Add `pytestmark = pytest.mark.unit` (or integration / slow) "
+            "at the top of the file, or mark the test; see tests/conftest.py.")
+    parents = {id(node): node for item in items for node in item.listchain()[:-1]}
+    for node in parents.values():  # module/class tiers were defaults: each item now carries its own
+        node.own_markers[:] = [m for m in node.own_markers if m.name not in TIERS]
+    for item, tier in closest.items():
+        item.own_markers[:] = [m for m in item.own_markers if m.name not in TIERS]
+        item.add_marker(tier)

@@ -24,6 +24,8 @@ from analysis.__main__ import main
 from analysis.load import find_runs, load_memory_csv, load_runs, per_run
 from analysis.render import tex
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4
 SEEDS = (0, 1, 2)
@@ -291,6 +293,7 @@ def test_committed_notebook_is_valid_and_has_no_outputs():
     assert code and all(c.outputs == [] and c.execution_count is None for c in code)
 
 
+@pytest.mark.integration
 def test_notebook_executes_against_the_fixture(root, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -315,6 +318,7 @@ def test_notebook_executes_against_the_fixture(root, tmp_path, monkeypatch):
     assert (tmp_path / "nb_out" / "figures" / "curves.png").exists()
 
 
+@pytest.mark.integration
 def test_a_real_tiny_run_reads_back_exactly(tmp_path):
     """One tiny-llama logra run through the real trainer (step control measured, an engine copy
     synced): the tables hold exactly what its metrics.jsonl says."""

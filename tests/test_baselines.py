@@ -11,6 +11,8 @@ from experiments.rl.trainer import GRPOTrainer
 from tests.conftest import TINY
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
+pytestmark = pytest.mark.integration
+
 
 def _train(tmp_path, name, *overrides):
     trainer = GRPOTrainer(build_config([*TINY, f"out_dir={tmp_path / name}", "eval.every=0", *overrides]))

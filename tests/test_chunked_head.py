@@ -8,7 +8,10 @@ from experiments.rl.models import ModelConfig, load_model
 from logra_core.chunked_head import chunked_token_logprobs
 from logra_core.sketch import install, projection
 
+pytestmark = pytest.mark.integration
 
+
+@pytest.mark.unit
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_chunked_logprobs_and_grads_match_plain(chunk, seed):

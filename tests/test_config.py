@@ -9,6 +9,8 @@ import pytest
 from experiments.config import ConfigError, build_config
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_and_shorthands():
     cfg = build_config(["task=gsm8k", "model=tiny-llama", "train.steps=7", "dense.lr=1e-5"])
@@ -48,6 +50,7 @@ def test_config_is_read_only():
         cfg.train.steps = 3
 
 
+@pytest.mark.integration
 def test_cli_rejects_bad_key_before_loading_a_model():
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "experiments.train", "train.stpes=3"], cwd=REPO, capture_output=True, text=True)

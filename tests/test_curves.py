@@ -3,8 +3,11 @@
 import json
 
 import matplotlib.image as mpimg
+import pytest
 
 from analysis.curves import main, moving_average
+
+pytestmark = pytest.mark.unit
 
 
 def test_moving_average_hand_worked():

@@ -14,22 +14,31 @@ from safetensors.torch import load_file
 from experiments.config import build_config
 from experiments.rl.checkpoint import list_checkpoints, save_checkpoint
 from experiments.rl.metrics import read_metrics
+from experiments.rl.sharded_checkpoint import is_sharded, read_model_weights
 from experiments.rl.trainer import GRPOTrainer
 from tests.conftest import REPO, TINY
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
+
+pytestmark = pytest.mark.integration
 
 # 2 prompts x 4 samples per step, one group per rank; groups sampled from their own seeds
 BASE = [*TINY, "train.steps=3", "eval.every=0", "threads=1", "dist.seeded_groups=true", "train.logprob_chunk=0"]
 LOGRA = ["method=logra", "logra.rank=8", "logra.lr=1e-3"]
 DENSE = ["method=dense", "dense.lr=1e-3"]
+FSDP2_LOGRA = ["step_control.target_kl=1e-4", "step_control.measure_realized=true", "train.logprob_chunk=64"]
 
 
-def torchrun(runs: list[list[str]], timeout: int = 600) -> None:
+def _torchrun_cmd(runs: list[list[str]]):
     # DeepSpeed JIT-compiles a small CPU extension on first use (~35 s): cache it in the git-ignored .cache/
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(REPO / "tests" / "dist_entry.py"), json.dumps(runs)]
+    return cmd, env
+
+
+def torchrun(runs: list[list[str]], timeout: int = 600) -> None:
+    cmd, env = _torchrun_cmd(runs)
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
@@ -39,13 +48,16 @@ def one_process(out, *overrides) -> None:
 
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
-    return load_file(list_checkpoints(run_dir)[-1] / "model.safetensors")
+    """The newest checkpoint's whole weights (a sharded fsdp2 checkpoint read back in this process)."""
+    path = list_checkpoints(run_dir)[-1]
+    return read_model_weights(path) if is_sharded(path) else load_file(path / "model.safetensors")
 
 
 def assert_same_weights(a, b, tol=1e-5):
     wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
+    common = wa.keys() & wb.keys()  # a tied head is stored under one of its names
+    assert common and len(common) >= min(len(wa), len(wb)), (sorted(wa), sorted(wb))
+    for k in common:
         torch.testing.assert_close(wa[k], wb[k], atol=tol, rtol=0, msg=k)
 
 
@@ -56,28 +68,49 @@ def runs(tmp_path_factory):
     cases = {
         "logra_ddp": [*LOGRA, "dist.strategy=ddp"],  # step control on: the predicted KL is averaged over ranks
         "dense_ddp": [*DENSE, "dist.strategy=ddp"],
-        "dense_fsdp2": [*DENSE, "dist.strategy=fsdp2"],
-        "logra_fsdp2": [*LOGRA, "dist.strategy=fsdp2", "step_control.enabled=false"],
+        "dense_fsdp2": [*DENSE, "dist.strategy=fsdp2", "rollout.engine=hf"],
+        # step control on and binding (scale < 1), the chunked LM head, an engine copy per rank
+        "logra_fsdp2": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "rollout.engine=hf"],
+        "logra_fsdp2_6": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "train.steps=6"],  # uninterrupted: test_fsdp2_sigterm_resume
     }
     torchrun([[*BASE, f"out_dir={root / name}", *args] for name, args in cases.items()])
     one_process(root / "logra_1", *LOGRA)
-    one_process(root / "logra_1_nosc", *LOGRA, "step_control.enabled=false")
+    one_process(root / "logra_1_fsdp2_ref", *LOGRA, *FSDP2_LOGRA)
     one_process(root / "dense_1", *DENSE)
     return root
 
 
 @pytest.mark.parametrize("two, one", [("logra_ddp", "logra_1"), ("dense_ddp", "dense_1"),
-                                      ("dense_fsdp2", "dense_1"), ("logra_fsdp2", "logra_1_nosc")])
+                                      ("dense_fsdp2", "dense_1"), ("logra_fsdp2", "logra_1_fsdp2_ref")])
 def test_two_ranks_equal_one(runs, two, one):
-    """Same global batch (2 prompt groups: one per rank vs both in one process) -> same weights after 3 steps."""
+    """Same global batch (2 prompt groups: one per rank vs both in one process) -> same weights after 3 steps.
+    logra_fsdp2: predicted-KL step control on the sharded model (binding: scales < 1), the chunked LM
+    head and an hf engine copy per rank, against one process with step control and the chunked head."""
     assert_same_weights(runs / two, runs / one)
     m2, m1 = read_metrics(runs / two), read_metrics(runs / one)
     assert [m["step"] for m in m2] == [1, 2, 3]
     for key in ("reward/mean", "rollout/trained_seqs", "rollout/trained_tokens"):  # rollouts identical
         assert [m[key] for m in m2] == [m[key] for m in m1], key
-    for key in ("loss/policy", "step/grad_norm"):
+    keys = ("loss/policy", "step/grad_norm") + (("step/scale", "kl/predicted", "kl/realized") if two == "logra_fsdp2" else ())
+    for key in keys:
         assert [m[key] for m in m2] == pytest.approx([m[key] for m in m1], rel=1e-4, abs=1e-7), key
     assert sum(m["rollout/trained_seqs"] for m in m2) > 0  # something was trained
+    if two == "logra_fsdp2":
+        assert all(m["step/scale"] < 1 for m in m2 if m["rollout/trained_seqs"])  # the control acted
+
+
+@pytest.mark.parametrize("name", ["dense_fsdp2", "logra_fsdp2"])
+def test_fsdp2_engine_copies_equal_trainer(runs, name):
+    """Each rank's engine copy, synced by gathered payloads (low-rank L rows from their owners, A from
+    the seed; dense tensors whole), is torch.equal to the gathered trainer weights after every sync,
+    with no resync needed."""
+    updates = sum(1 for m in read_metrics(runs / name) if m["rollout/trained_seqs"])
+    assert updates > 0
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (runs / name / f"engine_check_rank{rank}.jsonl").read_text().splitlines()]
+        assert [r["full"] for r in rows] == [True] + [False] * updates  # the initial full sync, then one per update
+        assert all(r["equal"] for r in rows), rows
+        assert all(r.get("sync/resyncs", 0) == 0 for r in rows)
 
 
 def test_allreduce_bytes_logged(runs):
@@ -122,21 +155,31 @@ def test_refusals(tmp_path):
     strategy.world_size = 2
     with pytest.raises(ValueError, match="ZeRO flattens"):
         strategy.check(cfg, METHODS["logra"])
+    for method in ("galore", "lora"):  # per-matrix optimizers (GaLore's projections; peft's adapters are not elementwise-flagged)
+        with pytest.raises(ValueError, match="ZeRO flattens"):
+            strategy.check(build_config([*BASE, f"method={method}", "dist.strategy=deepspeed", f"out_dir={tmp_path}"]),
+                           METHODS[method])
+    with pytest.raises(ValueError, match="step control"):
+        strategy.check(build_config([*BASE, *DENSE, "step_control.enabled=true", f"out_dir={tmp_path}"]), METHODS["dense"])
+    with pytest.raises(ValueError, match="use rollout.engine=shared"):
+        strategy.check(build_config([*BASE, *DENSE, "rollout.engine=hf", f"out_dir={tmp_path}"]), METHODS["dense"])
     fsdp = FSDP2.__new__(FSDP2)
     fsdp.world_size = 2
-    with pytest.raises(ValueError, match="step control"):
-        fsdp.check(build_config([*BASE, *LOGRA, f"out_dir={tmp_path}"]), METHODS["logra"])
-    with pytest.raises(ValueError, match="logprob_chunk=0"):
-        fsdp.check(build_config([*BASE, *DENSE, "train.logprob_chunk=256", f"out_dir={tmp_path}"]), METHODS["dense"])
+    # step control, the chunked head and engine copies run under fsdp2 (test_two_ranks_equal_one)
+    fsdp.check(build_config([*BASE, *LOGRA, "train.logprob_chunk=256", "rollout.engine=hf", f"out_dir={tmp_path}"]),
+               METHODS["logra"])
     with pytest.raises(ValueError, match="inside backward"):
         fsdp.check(build_config([*BASE, "method=galore_layerwise", f"out_dir={tmp_path}"]), METHODS["galore_layerwise"])
-    # resume=true (the launcher passes it to every run) starts a fresh run; a run with a checkpoint is refused
+    # deepspeed: resume=true (the launcher passes it to every run) starts a fresh run; a run with a checkpoint is refused
     run = tmp_path / "run"
-    resume = build_config([*BASE, *DENSE, "resume=true", f"out_dir={run}"])
-    fsdp.check(resume, METHODS["dense"])
+    ds = DeepSpeed.__new__(DeepSpeed)
+    ds.world_size = 2
+    resume = build_config([*BASE, *DENSE, "dist.strategy=deepspeed", "resume=true", f"out_dir={run}"])
+    ds.check(resume, METHODS["dense"])
     save_checkpoint(run, 1, torch.nn.Linear(2, 2), {}, {"epoch": 0, "cursor": 0})
     with pytest.raises(ValueError, match="resuming .* not supported"):
-        fsdp.check(resume, METHODS["dense"])
+        ds.check(resume, METHODS["dense"])
+    fsdp.check(resume, METHODS["dense"])  # fsdp2 resumes (test_fsdp2_sigterm_resume)
 
 
 def test_allreduce_bench_tiny():
@@ -148,3 +191,54 @@ def test_allreduce_bench_tiny():
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     line = next(l for l in done.stdout.splitlines() if l.startswith("method=logra"))
     assert float(line.split()[-3]) == pytest.approx(0.125, abs=5e-4)  # tiny-llama: sketches + norms / dense
+
+
+def test_fsdp2_sigterm_resume(runs, tmp_path):
+    """SIGTERM to torchrun during a 6-step 2-rank fsdp2 logra run (step control, chunked head, hf
+    engines): every rank finishes its step, writes its shards of one checkpoint and exits 143;
+    resume=true on 2 ranks ends within 1e-6 of the uninterrupted run. That sharded checkpoint then
+    resumes in one process (2 -> 1) and trains on; a corrupted shard is refused, naming the file."""
+    import shutil
+    import signal
+    import time
+
+    from experiments.rl.checkpoint import CheckpointCorrupt
+
+    run = tmp_path / "run"
+    overrides = [*BASE, *LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "rollout.engine=hf", "train.steps=6",
+                 "checkpoint.every=0", f"out_dir={run}"]
+    cmd, env = _torchrun_cmd([overrides])
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any(json.loads(l)["step"] >= 2 for l in metrics.read_text().splitlines() if l.strip()):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    stopped = list_checkpoints(run)
+    assert len(stopped) == 1 and 2 <= int(stopped[0].name.split("_")[1]) < 6, out[-4000:]  # the preemption's checkpoint
+    assert is_sharded(stopped[0])
+    assert out.count("[dist_entry]") == 2, out[-4000:]  # both ranks stopped through Preempted (exit 143)
+    torchrun([[*overrides, "resume=true"]])
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert_same_weights(run, runs / "logra_fsdp2_6", tol=1e-6)
+    scales = [m["step/scale"] for m in read_metrics(run)]
+    assert scales == pytest.approx([m["step/scale"] for m in read_metrics(runs / "logra_fsdp2_6")], rel=1e-6)
+
+    # 2 -> 1: the 6-step sharded checkpoint resumes in one process and trains a 7th step
+    before = final_weights(run)
+    GRPOTrainer(build_config([*overrides, "resume=true", "train.steps=7"])).train()
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6, 7]
+    after = final_weights(run)  # the 7th step's checkpoint, written by one process
+    assert any(not torch.equal(before[k], after[k]) for k in before.keys() & after.keys())
+
+    # a flipped byte in rank 1's shard of the step-6 checkpoint: refused, naming the file
+    shutil.rmtree(list_checkpoints(run)[-1])
+    shard = list_checkpoints(run)[-1] / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="dcp/__1_0.distcp"):
+        GRPOTrainer(build_config([*overrides, "resume=true", "train.steps=8"]))

@@ -24,6 +24,8 @@ from tests.conftest import REPO, TINY
 from tests.test_trainer import METHOD_ARGS, _comparable
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
+pytestmark = pytest.mark.integration
+
 FAST = [*TINY, "eval.every=0", "threads=1"]
 
 

@@ -7,6 +7,8 @@ import torch
 
 from experiments.rl.grpo import clipped_policy_loss, group_advantages, token_logprobs
 
+pytestmark = pytest.mark.unit
+
 
 def test_group_advantages_hand_worked():
     # group 1: rewards [1, 0, 0, 1] -> mean 0.5, unbiased std sqrt(1/3) = 0.57735

@@ -16,6 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from logra_core.kl_predictor import (exact_kl, head_tangent_factors, hidden_and_tangent, hidden_states, kl_terms,
                                      kl_terms_reference, predict_kl)
 
+pytestmark = pytest.mark.unit
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 REPO = Path(__file__).resolve().parents[1]
 
@@ -228,6 +230,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (optional: pip install triton)")
 def test_triton_kernel_matches_reference_under_interpreter():
     run = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], cwd=REPO, capture_output=True, text=True,
@@ -235,6 +238,7 @@ def test_triton_kernel_matches_reference_under_interpreter():
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (optional: pip install triton)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

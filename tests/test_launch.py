@@ -16,6 +16,8 @@ from experiments.launcher.jobs import RunPreempted, TrainJob
 from experiments.launcher.sweep import DONE, config_hash, flatten, identity, load_sweep
 from tests.conftest import TINY
 
+pytestmark = pytest.mark.unit
+
 FAKE = "tests.launch_fakes:fake_train"
 
 
@@ -236,6 +238,7 @@ def test_a_preempted_run_hands_over_to_submitits_requeue(tmp_path, monkeypatch):
 
 
 # ---- local executor: two real tiny-llama runs in their own processes ------------------------------
+@pytest.mark.integration
 def test_local_executor_runs_two_tiny_llama_runs(tmp_path, capsys):
     base = dict(o.split("=", 1) for o in TINY)
     base.update({"train.steps": "2", "eval.every": "2", "task.name": "toy", "model.name": "tiny-llama", "threads": "1"})
@@ -257,6 +260,7 @@ def test_local_executor_runs_two_tiny_llama_runs(tmp_path, capsys):
     assert "2 done, skipped; 0 to run" in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_local_executor_reports_a_failing_process_with_its_log(tmp_path, monkeypatch, capsys):
     sweep = small_sweep(tmp_path, seeds=(0, 1), launcher={"name": "local", "max_parallel": 2})
     monkeypatch.setenv("LOGRA_FAKE_FAIL", "0")  # inherited by the job processes
@@ -282,6 +286,7 @@ def test_slurm_submission_script_is_rendered_for_a_sample_config(tmp_path):
     assert "-m submitit.core._submit" in script and str(run.run_dir / "submitit") in script
 
 
+@pytest.mark.integration  # slow for the unit tier (see --durations)
 def test_paper_profile_dry_run_lists_its_jobs(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a dry run must not download anything
     assert launch.main(["sweep=paper", f"root={tmp_path}", "--dry-run"]) == 0
@@ -292,6 +297,12 @@ def test_paper_profile_dry_run_lists_its_jobs(capsys, monkeypatch, tmp_path):
     assert "torchrun --standalone --nproc_per_node=8 -m experiments.train" in out
     assert "#SBATCH --gpus-per-node=8" in out
     assert out.count("planned ") + out.count("memory plan unavailable") + out.count("memory plan failed") == n
+    # fsdp2 with vLLM engines, step control and the chunked head; what the planner's sharding leaves out is noted
+    assert "-m experiments.train dist.strategy=fsdp2 " in out and "train.logprob_chunk=256" in out
+    notes = [line for line in out.splitlines() if "; fsdp2: " in line]
+    assert len(notes) == out.count("planned ") == n
+    assert sum("step control gathers the weights" in line for line in notes) == 3 * 2 * 3  # logra grid jobs
+    assert all(line.endswith(("-> fits", "-> DOES NOT FIT")) for line in notes)
     assert not any(tmp_path.iterdir())  # nothing written
 
 

@@ -11,6 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from experiments.rl.models import ModelConfig, load_model
 from logra_core.optimizer import LoGRA
 
+pytestmark = pytest.mark.unit
+
 
 def test_rowadam_hand_worked():
     # W (2×3), r = 2, A = [[1,0,1],[0,1,0]]/√2, S = [[2,0],[0,1]], lr 0.1, β₂ 0.9.
@@ -59,6 +61,7 @@ def _tiny_batch():
     return torch.randint(0, 1000, (3, 7), generator=g)  # 21 tokens: no activation is weight-shaped
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["logra", "logra_embeddings", "dense"])
 def test_no_tensor_of_a_sketched_weights_size_in_backward(method):
     model, _ = load_model(ModelConfig(name="tiny-llama"))
@@ -85,6 +88,7 @@ def _train_steps(model, opt, batches):
         opt.step()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", [{}, {"first_moment": True, "refresh_every": 2}, {"projection": "gaussian"}, {"embeddings": True}])
 def test_state_dict_round_trip_gives_identical_next_step(dtype, variant):
@@ -119,6 +123,7 @@ def test_state_dict_round_trip_gives_identical_next_step(dtype, variant):
         assert master.dtype == torch.float32
 
 
+@pytest.mark.integration
 def test_drop_in_training_reduces_loss():
     """A plain PyTorch loop: LoGRA fits a fixed batch."""
     model, _ = load_model(ModelConfig(name="tiny-llama"))

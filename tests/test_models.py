@@ -9,6 +9,8 @@ from experiments.config import build_config
 from experiments.rl.models import ModelConfig, load_model
 from experiments.rl.trainer import GRPOTrainer
 
+pytestmark = pytest.mark.integration
+
 
 def test_tiny_llama_is_seeded_and_uses_the_real_tokenizer():
     a, tok = load_model(ModelConfig(name="tiny-llama", init_seed=3))

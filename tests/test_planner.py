@@ -6,6 +6,8 @@ from experiments.memory import planner
 from experiments.memory.planner import plan, presets
 from experiments.plan import main
 
+pytestmark = pytest.mark.unit
+
 
 def test_presets_named_in_the_contract_exist():
     for name in ["tiny-llama", "smollm2-135m-instruct", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b",
@@ -63,6 +65,7 @@ TINY_SPECS = [("dense", 0, []), ("galore", 0, []), ("galore_layerwise", 0, []), 
               ("logra:logra.embeddings=true", 0, []), ("logra", 16, []), ("dense", 0, CKPT)]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("spec, pad, overrides", TINY_SPECS)
 def test_planner_within_10_percent_of_the_profiled_peak_on_tiny_llama(spec, pad, overrides, tmp_path):
     """memory_table's child in this process: the fixed rollout batch (8 sequences, micro-batch 4,
@@ -107,6 +110,7 @@ def test_gpu_memory_csv_and_summary(tmp_path):
     assert "measured   10.00 GiB" in summary(rows[0]) and "(0.900x)" in summary(rows[0])
 
 
+@pytest.mark.integration
 def test_gpu_memory_on_cuda(tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -5,6 +5,8 @@ import torch
 
 from experiments.memory.profiler import MemoryProfiler
 
+pytestmark = pytest.mark.unit
+
 
 def _adam_state(opt):
     return lambda: [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -50,6 +52,7 @@ def test_unknown_phase_is_an_error():
             pass
 
 
+@pytest.mark.integration
 def test_memory_table_cli_on_tiny_llama(tmp_path, capsys):
     """Fresh child per method, categories sum to the peak, logra has no dense projection grads."""
     import csv
@@ -76,6 +79,7 @@ def test_memory_table_rejects_an_unknown_method(tmp_path):
         main([f"out={tmp_path}", "methods=dense,adam8bit"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["dense", "logra"])
 def test_trainer_writes_the_profile(tmp_path, method):
     """log.memory_profile=true: every phase's peak, categories summing to the tensor peak, a profile file."""

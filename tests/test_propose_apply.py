@@ -9,6 +9,8 @@ from logra_core.step_control import step_scale
 from tests.conftest import TINY
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
+pytestmark = pytest.mark.integration
+
 METHODS = {
     "dense": ["method=dense", "dense.lr=1e-3"],
     "logra": ["method=logra", "logra.rank=8", "logra.lr=1e-3", "logra.weight_decay=0.1"],
@@ -19,6 +21,7 @@ METHODS = {
 }
 
 
+@pytest.mark.unit
 def test_step_scale_rule():
     # s = min(1, sqrt(κ / KL̂)): KL̂ = 4κ -> 1/2; KL̂ = 100κ -> 1/10
     assert step_scale(4e-3, 1e-3) == pytest.approx(0.5)

@@ -12,6 +12,8 @@ import pytest
 
 from experiments.rl.rewards import BoundedPool, MathVerifyReward, extract_answer, score
 
+pytestmark = pytest.mark.integration  # math-verify runs in worker processes, with wall-clock bounds
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 2.0
 SLACK_S = 3.0  # process replacement + scheduling on a loaded 2-core CI box
@@ -75,6 +77,7 @@ def test_batch_preserves_order(reward):
     assert reward(list(completions), list(references)) == list(expected)
 
 
+@pytest.mark.unit  # string parsing only, in this process
 @pytest.mark.parametrize("completion,expected", [
     ("a \\boxed{x^{2}} b", "\\boxed{x^{2}}"),
     ("\\boxed{\\boxed{1}}", "\\boxed{\\boxed{1}}"),  # the outer box closes last

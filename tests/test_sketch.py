@@ -10,6 +10,8 @@ from torch import nn
 from logra_core.sketch import SketchedLinear, SketchState, install, projection
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.unit
+
 
 def _layer(m, n, bias, dtype, seed):
     torch.manual_seed(seed)
@@ -61,6 +63,7 @@ def test_projection_is_reproducible_and_seeded():
     assert set((a * 4).unique().tolist()) == {-1.0, 1.0}  # ±1/√16
 
 
+@pytest.mark.integration
 def test_projection_identical_in_another_process():
     code = ("import torch, sys; from logra_core.sketch import projection; "
             "a = projection(8, 50, 11, 7, 123); sys.stdout.write(','.join(str(int(v)) for v in (a > 0).flatten().tolist()))")
@@ -82,6 +85,7 @@ def test_mean_of_AtA_is_identity(kind):
     assert rel < 0.05, rel
 
 
+@pytest.mark.integration
 def test_install_selects_by_name_and_keeps_keys():
     from experiments.rl.models import ModelConfig, load_model
 

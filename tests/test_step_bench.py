@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from experiments.memory.step_bench import main
+
+pytestmark = pytest.mark.integration
 
 
 def test_step_bench_on_tiny_llama(tmp_path, capsys):

@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from analysis.summary import main, summarize
+
+pytestmark = pytest.mark.unit
 
 
 def test_summary_of_a_fixture_run(tmp_path, capsys):

@@ -6,6 +6,8 @@ import torch
 from experiments.rl.models import ModelConfig, load_model
 from logra_core.optimizer import LoGRA
 
+pytestmark = pytest.mark.integration
+
 galore_torch = pytest.importorskip("galore_torch")
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -53,6 +55,7 @@ def test_svd_keep_equals_galore_adamw(gap):
     assert moved > 1e-3  # the comparison is not between two untouched models
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shape", [(48, 16), (16, 48)])
 def test_refresh_and_projection_match_galore_projector(shape):
     from galore_torch.galore_projector import GaLoreProjector

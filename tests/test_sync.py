@@ -13,6 +13,8 @@ from logra_core.sync import LowRankOp, SyncReceiver, SyncSender, apply_lowrank, 
 from tests.conftest import TINY
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
+pytestmark = pytest.mark.unit
+
 VARIANTS = {
     "default": dict(rank=4, lr=1e-2, weight_decay=0.1),
     "embeddings": dict(rank=4, lr=1e-2, embeddings=True),
@@ -56,6 +58,7 @@ def deliver(opt, sender):
     return sender.delta(opt.last_lowrank, opt.last_changed, opt.masters())
 
 
+@pytest.mark.integration  # slow for the unit tier (see --durations)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_twenty_logra_steps_stay_bit_equal(dtype, variant):
@@ -151,6 +154,7 @@ def run_steps(tmp_path, method, engine, steps, extra=()):
 
 @pytest.mark.parametrize("engine,dtype", [("hf", "float32"), ("hf", "bfloat16"), ("hf_process", "float32"),
                                           ("hf_process", "bfloat16")])
+@pytest.mark.integration
 def test_engine_equals_trainer_after_twenty_logra_steps(tmp_path, engine, dtype):
     records, state, trainer_state = run_steps(tmp_path, "logra", engine, 20, [f"model.dtype={dtype}"])
     assert state.keys() == trainer_state.keys()
@@ -163,6 +167,7 @@ def test_engine_equals_trainer_after_twenty_logra_steps(tmp_path, engine, dtype)
         assert all(abs(r["kl/sampler_trainer"]) < 1e-4 for r in synced)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method,engine", [("dense", "hf"), ("lora", "hf"), ("lora", "hf_process")])
 def test_dense_and_lora_payloads_stay_equal(tmp_path, method, engine):
     records, state, trainer_state = run_steps(tmp_path, method, engine, 4)
@@ -174,6 +179,7 @@ def test_dense_and_lora_payloads_stay_equal(tmp_path, method, engine):
         assert all(r["sync/bytes"] < 0.5 * r["sync/full_bytes"] for r in synced)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("engine", ["hf", "hf_process"])
 def test_trainer_heals_a_corrupt_and_a_lost_payload(tmp_path, engine):
     """In the loop: payload 3 arrives with a flipped bit, payload 5 never arrives (its ack faked); the
@@ -208,6 +214,7 @@ def test_trainer_heals_a_corrupt_and_a_lost_payload(tmp_path, engine):
         assert torch.equal(state[name], value), name
 
 
+@pytest.mark.integration
 def test_a_run_with_a_synced_engine_logs_its_sync_metrics(tmp_path):
     cfg = build_config([*TINY, *METHOD_ARGS["logra"], "rollout.engine=hf", "train.steps=3",
                         f"out_dir={tmp_path / 'run'}"])

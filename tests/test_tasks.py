@@ -13,6 +13,8 @@ from experiments.rl.tasks import (
     MATH500_TRAIN, TASKS, Problem, TaskConfig, arith_value, build_task, format_prompt, held_out,
 )
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,6 +32,7 @@ def test_registry_has_the_three_tasks():
         build_task(TaskConfig(name="nope"))
 
 
+@pytest.mark.integration
 def test_arith_is_deterministic_across_processes():
     task = build_task(arith(seed=3, ops="+-*", operands=3))
     code = (

@@ -14,6 +14,8 @@ from tests.conftest import TINY
 from experiments.rl.tasks import TaskConfig, held_out
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
+pytestmark = pytest.mark.integration
+
 
 def run(tmp_path, *overrides, name="run"):
     cfg = build_config([*TINY, f"out_dir={tmp_path / name}", *overrides])

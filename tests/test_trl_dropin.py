@@ -10,6 +10,8 @@ pytest.importorskip("trl", reason="trl is not installed (pip install -c constrai
 from examples.trl_grpo_logra import build_trainer  # noqa: E402
 from logra_core.sketch import SketchedLinear  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 
 def test_grpo_trainer_steps_with_logra(tmp_path):
     trainer, optimizer = build_trainer("tiny-llama", steps=2, output_dir=str(tmp_path), rank=8, lr=1e-3,

@@ -16,6 +16,8 @@ from experiments.rl.vllm_engine import VLLMEngine  # noqa: E402
 from logra_core.optimizer import LoGRA  # noqa: E402
 from logra_core.sync import SyncSender  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 # tiny-llama with head_dim 64: vLLM's CPU attention supports head sizes 32, 64, 80, ... (not the default 16)
 TINY_VLLM = ModelConfig(name="tiny-llama", tiny_hidden_size=128, tiny_intermediate_size=256, tiny_heads=2,
                         tiny_kv_heads=1)

@@ -24,12 +24,15 @@ def plan_memory(run: Run, sweep: Sweep, launcher: dict) -> str:
         return f"memory plan unavailable: experiments.memory.planner cannot be imported ({e})"
     cfg, opts = run.cfg, dict(sweep.planner)
     models = opts.pop("models", {}) or {}
-    section = cfg.get(cfg.method) or {}
-    rank = section.get("rank", section.get("r", opts.pop("rank", 256)))
+    from baselines import METHODS
+
+    method_opts = METHODS[cfg.method].plan_options(cfg[cfg.method])  # e.g. rank from logra.rank / lora.r
     gpus = int(launcher.get("gpus_per_node") or 1) * int(launcher.get("nodes") or 1)
-    kwargs = {"gpus": gpus, "micro_batch": int(cfg.train.micro_batch_size), "rank": int(rank),
-              "dtype": DTYPES.get(cfg.model.dtype, cfg.model.dtype), **opts}
+    kwargs = {"gpus": gpus, "micro_batch": int(cfg.train.micro_batch_size), "rank": int(opts.pop("rank", 256)),
+              "dtype": DTYPES.get(cfg.model.dtype, cfg.model.dtype), **opts, **method_opts}
     kwargs.setdefault("seq_len", 1024)
+    strategy = cfg.get("dist", {}).get("strategy", "ddp") if gpus > 1 else "ddp"  # the job's own sharding
+    kwargs.setdefault("sharding", {"fsdp2": "fsdp", "deepspeed": "zero2"}.get(strategy, "none"))
     # the job's own shapes: completion tokens through the LM head, micro-batches per update, head chunk, checkpointing
     kwargs.setdefault("completion_len", min(int(cfg.rollout.max_new_tokens), int(kwargs["seq_len"])))
     per_gpu = int(cfg.train.prompts_per_step) * int(cfg.train.group_size) / gpus
@@ -44,7 +47,36 @@ def plan_memory(run: Run, sweep: Sweep, launcher: dict) -> str:
     gib = 2**30
     cats = ", ".join(f"{k} {v / gib:.1f}" for k, v in p.categories.items())
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    return f"planned {p.total_bytes / gib:.1f} / {p.capacity_bytes / gib:.0f} GiB per GPU, {verdict} ({cats} GiB)"
+    line = f"planned {p.total_bytes / gib:.1f} / {p.capacity_bytes / gib:.0f} GiB per GPU, {verdict} ({cats} GiB)"
+    if kwargs.get("sharding") == "fsdp" and gpus > 1:
+        line += fsdp2_note(run, p, models.get(cfg.model.name, cfg.model.name), kwargs, gpus)
+    return line
+
+
+def fsdp2_note(run: Run, p, model, kwargs: dict, gpus: int) -> str:
+    """What the planner's fsdp sharding does not model for a dist.strategy=fsdp2 job (docs/distributed.md):
+    an engine copy per rank holds the whole weights (tensor_parallel_size=1), and step control predicts
+    on the weights gathered whole (FSDP2.predict_kl), after backward's activations are freed."""
+    from experiments.memory.planner import DTYPE_BYTES, load_model_config, shapes
+
+    gib, cfg = 2**30, run.cfg
+    weights = shapes(load_model_config(model)[1]).total * DTYPE_BYTES[kwargs["dtype"]]
+    notes, fits = [], p.fits
+    share = p.categories.get("rollout", 0)
+    if cfg.rollout.engine != "shared" and share:
+        ok = weights < share  # vLLM's weights and its KV cache share the reserve
+        notes.append(f"engine copy {weights / gib:.1f} GiB in the {share / gib:.1f} GiB rollout share"
+                     + (f" ({(share - weights) / gib:.1f} GiB left for the KV cache)" if ok
+                        else ": DOES NOT FIT at tensor_parallel_size=1"))
+        fits &= ok
+    control = cfg.get("step_control", {}).get("enabled")
+    if cfg.method == "logra" if control is None else control:
+        at_predict = p.total_bytes - p.categories.get("activations", 0) + weights - weights // gpus
+        ok = at_predict <= p.capacity_bytes
+        notes.append(f"step control gathers the weights: {at_predict / gib:.1f} GiB at the prediction"
+                     + ("" if ok else " DOES NOT FIT"))
+        fits &= ok
+    return f"; fsdp2: {'; '.join(notes)} -> {'fits' if fits else 'DOES NOT FIT'}" if notes else ""
 
 
 def print_plan(sweep: Sweep, runs: list[Run], launcher: dict, show_memory: bool) -> None:

@@ -6,8 +6,10 @@ in bf16, beside the planner's prediction. Needs a CUDA GPU (not run in this repo
 
 Each (model, method) runs in its own process: build the architecture from the planner's preset with
 random weights in bf16 on the GPU, activation checkpointing on, one forward/backward of a random
-token batch + one optimizer step (torch AdamW for dense: bf16 moments, no master; LoGRA: sketches,
-row moments, fp32 masters), ``torch.cuda.max_memory_allocated`` over the step. The planner is asked
+token batch + one optimizer step of the method as the harness builds it (any registered method:
+``Method.setup`` with its config's defaults and ``rank`` in its ``rank_key`` field; dense: torch
+AdamW, bf16 moments, no master; LoGRA: sketches, row moments, fp32 masters), two updates,
+``torch.cuda.max_memory_allocated`` over them. The planner is asked
 for the same setting with ``master_weights=False rollout=none other_gb=0`` so both count the same
 things. Writes one CSV row per run with the GPU name.
 """
@@ -55,22 +57,21 @@ def child(model: str, method: str, a: dict) -> dict:
         net = transformers.AutoModelForCausalLM.from_config(arch(**hf), dtype=torch.bfloat16)
     net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as the harness
     net.config.use_cache = False
-    if method == "dense":
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-6)
-    elif method == "logra":
-        from logra_core.optimizer import LoGRA
+    from baselines import METHODS
 
-        opt = LoGRA(net, rank=int(a["rank"]), lr=1e-6)
-    else:
-        raise SystemExit(f"unknown method {method!r} (dense, logra)")
+    if method not in METHODS:
+        raise SystemExit(f"unknown method {method!r}; registered: {', '.join(sorted(METHODS))}")
+    cls = METHODS[method]
+    runner = cls(cls.config_cls(**({cls.rank_key: int(a["rank"])} if cls.rank_key else {})))
+    net = runner.setup(net)
     mb, sl = int(a["micro_batch"]), int(a["seq_len"])
     ids = torch.randint(0, cfg["vocab_size"], (mb, sl), device=dev)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(dev)
     for _ in range(2):  # the second step's peak has the optimizer state
-        opt.zero_grad()
-        net(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
+        runner.zero_grad()
+        runner.backward(net(input_ids=ids, labels=ids).loss)
+        runner.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(dev)
     # the HF loss (labels=ids): full logits over every position, one micro-batch per update, torch AdamW

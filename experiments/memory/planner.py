@@ -21,6 +21,11 @@ peak of a training step and takes the largest —
   backward) and the embedding lookup's gradient are summed, beside every other gradient;
 * ``optimizer``: the step, with the method's own temporaries.
 
+What is particular to a method (its optimizer state, gradients or sketches, what its layers save
+for backward, whether the embedding and head get dense gradients, its temporaries at the step)
+comes from the method itself: ``Method.memory_terms`` in its own file (``baselines/<method>.py``,
+vocabulary in ``baselines/memory_terms.py``); this module names no method.
+
 Each term carries its assumption; ``Plan.table()`` prints them, the candidates and which one won.
 The terms follow the code paths of this repository (``experiments/rl/grpo.py``,
 ``logra_core/chunked_head.py``, ``logra_core/sketch.py``, ``baselines/``) and were checked against
@@ -41,14 +46,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baselines.memory_terms import CATEGORIES, PlanContext, Term
+
 PRESET_DIR = Path(__file__).with_name("presets")
-METHODS = ("dense", "logra", "galore", "galore_layerwise", "lora")
 SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
-CATEGORIES = ("params", "grads", "optimizer", "activations", "rollout", "other")
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-OPTIONS = {"gradient_checkpointing", "master_weights", "rollout_share", "embeddings", "logprob_chunk",
-           "completion_len", "micro_batches", "attention", "padded", "other_gb"}
+OPTIONS = {"gradient_checkpointing", "master_weights", "rollout_share", "logprob_chunk",
+           "completion_len", "micro_batches", "attention", "padded", "other_gb"}  # beside each method's plan_option_names
 
 
 def presets() -> list[str]:
@@ -134,14 +139,6 @@ def shapes(cfg: dict) -> Shapes:
 
 
 @dataclass
-class Term:
-    category: str
-    name: str
-    nbytes: int
-    note: str = ""
-
-
-@dataclass
 class Plan:
     model: str
     method: str
@@ -200,24 +197,29 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     ``train.logprob_chunk``, default 256; 0 = full logits), ``gradient_checkpointing`` (default True),
     ``master_weights`` (default: True for bf16/fp16: fp32 master + fp32 moments for AdamW; the
     harness' plain torch AdamW on bf16 weights keeps bf16 moments and no master: pass False),
-    ``embeddings`` (logra sketches the embedding and a tied head), ``padded`` (default True: prompts of
+    each method's own options (its ``plan_option_names``, e.g. logra's ``embeddings``: sketch the
+    embedding and a tied head; other methods ignore them), ``padded`` (default True: prompts of
     different lengths, so HF passes a padding mask to SDPA and repeats k/v to every head; False: equal
     lengths, no mask), ``attention`` (``sdpa`` or ``eager``;
     default eager for Gemma-2, whose attention softcapping SDPA refuses), ``rollout_share`` (fraction
     of the GPU a colocated vLLM engine reserves, default 0.3), ``other_gb`` (CUDA context and
     allocator slack, default 1.0).
     """
+    from baselines import METHODS  # the registry: each method's memory terms (imports the methods, and torch)
+
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(sorted(METHODS))}")
+    cls = METHODS[method]
     if sharding not in SHARDINGS:
         raise ValueError(f"unknown sharding {sharding!r}; known: {', '.join(SHARDINGS)}")
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
     if int(gpus) < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
-    unknown = sorted(set(opts) - OPTIONS)
+    known = OPTIONS.union(*(m.plan_option_names for m in METHODS.values()))
+    unknown = sorted(set(opts) - known)
     if unknown:
-        raise ValueError(f"unknown planner option(s) {unknown}; known: {sorted(OPTIONS)}")
+        raise ValueError(f"unknown planner option(s) {unknown}; known: {sorted(known)}")
     name, cfg = load_model_config(model)
     s = shapes(cfg)
     b = DTYPE_BYTES[dtype]
@@ -231,7 +233,6 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
         raise ValueError(f"micro_batches must be >= 1, got {k}")
     ckpt = bool(opts.get("gradient_checkpointing", True))
     master = bool(opts.get("master_weights", low))
-    emb = bool(opts.get("embeddings", False)) and method == "logra"
     chunk = int(opts.get("logprob_chunk", 256))
     attention = str(opts.get("attention") or ("eager" if s.gemma else "sdpa"))
     padded = bool(opts.get("padded", True))
@@ -254,84 +255,29 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     A.append(f"sharding {sharding} over {gpus} GPU(s): params /{shard_p}, grads /{shard_g}, optimizer state /{shard_o}; "
              "activations are per GPU (data parallel)")
 
-    # ---- what trains how --------------------------------------------------------------------------
-    kind = {"dense": "full", "galore": "full", "galore_layerwise": "full", "lora": "lora", "logra": "logra"}[method]
-    norms_train = kind != "lora"
-    inputs_saved = kind in ("full", "lora")  # a projection (or its adapter) keeps its input x for the weight gradient
-    head_sketched = emb and s.tied
-    embed_dense = kind == "full" or (kind == "logra" and not emb)
-    head_dense = kind == "full" or (kind == "logra" and not head_sketched)  # the head weight gets a dense gradient
-    adam_b = (4 + 8) if master else 2 * b  # AdamW bytes per trained element
-    wb = 4 if master else b  # bytes of one AdamW temporary (works on the master when there is one)
+    # ---- the method's own part: state, gradients, what it saves (Method.memory_terms) ---------------
+    ctx = PlanContext(shapes=s, weight_bytes=b, master_bytes=4 if master else 0, moment_bytes=4 if master else b,
+                      rank=r, micro_batches=k, shard_params=shard_p, shard_grads=shard_g, shard_optimizer=shard_o,
+                      options={key: v for key, v in opts.items() if key in cls.plan_option_names})
     A.append("AdamW state per trained element: " + ("fp32 master + two fp32 moments (12 B)" if master
                                                     else f"two moments in the weight dtype ({2 * b} B), no master"))
-
-    persist: list[Term] = []  # alive for the whole step
-    grads_all: list[Term] = []  # alive once a micro-batch's backward has run (several micro-batches per update)
-    P = s.total * b
-    persist.append(Term("params", "weights", P // shard_p, f"{s.total:,} x {b} B"))
-    dense_rest = s.norms + s.biases + (s.embed if embed_dense else 0) + (s.head if head_dense and not s.tied else 0)
-    if kind == "full":
-        grads_all.append(Term("grads", "gradients", s.total * b // shard_g, "every weight, weight dtype"))
-        if method == "dense":
-            persist.append(Term("optimizer", "AdamW state", s.total * adam_b // shard_o))
-        else:
-            proj_b = 4 if master else b
-            projector, moments = 0, 0
-            for m, n in s.proj:
-                rr = min(r, m, n)
-                # galore_torch keeps Vh[:r] / U[:, r] of the fp32 SVD: a view, so the whole min(m,n)^2 factor
-                # stays alive; for bf16/fp16 weights it keeps a cast copy (min side x r)
-                projector += (min(m, n) ** 2 * 4) if proj_b == 4 else min(m, n) * rr * proj_b
-                moments += max(m, n) * rr * 2 * (4 if master else b)
-            rest = s.n_rest * adam_b + (s.n_proj * 4 if master else 0)
-            persist.append(Term("optimizer", "GaLore projectors", projector // shard_o,
-                                "fp32: the whole min(m,n)^2 SVD factor (galore_torch keeps a view of it); else min(m,n) x r"))
-            persist.append(Term("optimizer", "GaLore moments + AdamW of the rest", (moments + rest) // shard_o,
-                                f"two moments of max(m,n) x min(r,m,n) per projection; AdamW ({adam_b} B) for embedding/norms"))
-            A.append(f"galore: rank min({r}, m, n), proj_type std (projector on the smaller side)")
-            if method == "galore_layerwise" and k == 1:
-                grads_all = [Term("grads", "one gradient at a time", max(max(m * n for m, n in s.proj), s.embed) * b // shard_g,
-                                  "galore_layerwise steps each weight in its grad hook and frees the gradient")]
-            elif method == "galore_layerwise":
-                A.append("galore_layerwise with several micro-batches: the hooks step only in the last micro-batch's "
-                         "backward, so the earlier micro-batches' gradients are all alive (as in galore)")
-    elif kind == "lora":
-        adapters = sum(r * (m + n) for m, n in s.proj)
-        persist.append(Term("params", "LoRA adapters", adapters * 4 // shard_p, f"r={r} A and B on every projection, fp32"))
-        persist.append(Term("optimizer", "AdamW state of the adapters", adapters * 8 // shard_o, "two fp32 moments"))
-        grads_all.append(Term("grads", "adapter gradients", adapters * 4 // shard_g))
-        A.append("lora: base weights, embedding and norms frozen (no gradient, no state)")
-    else:
-        rows = sum(m for m, _ in s.proj) + (V if emb else 0)
-        persist.append(Term("optimizer", "LoGRA row second moments", rows * 4 // shard_o, f"{rows:,} rows, fp32"))
-        if low:
-            persist.append(Term("optimizer", "LoGRA fp32 masters", (s.n_proj + (s.embed if emb else 0)) * 4 // shard_o,
-                                "logra_core keeps an fp32 copy of each low-precision sketched weight"))
-        persist.append(Term("optimizer", "AdamW state of the unsketched tensors", dense_rest * adam_b // shard_o,
-                            "embedding/head (unless sketched), norms, biases"))
-        grads_all.append(Term("grads", "gradients of the unsketched tensors", dense_rest * b // shard_g))
-        persist.append(Term("activations", "LoGRA's last applied D factors", rows * r * 4 // shard_o,
-                            f"m x {r} fp32 per sketched weight, kept for weight sync (logra_core.optimizer last_lowrank)"))
-        bases = (sum(n for _, n in s.proj) + (h if emb else 0)) * r * 4
-        persist.append(Term("activations", "LoGRA projections A", bases // shard_o,
-                            f"{r} x n fp32 per sketched weight, regenerated once per step and cached on the layer"))
-        sk = (sum(m for m, _ in s.proj) * r) * 4
-        grads_all.append(Term("optimizer", "LoGRA sketches", sk // shard_o, f"m x {r} fp32 per projection"))
-        if emb:
-            persist.append(Term("optimizer", "LoGRA embedding sketch", V * r * 4 // shard_o,
-                                f"V x {r} fp32 (the first micro-batch creates it, zero-filled)"))
-        A.append(f"logra: projections learn through m x r sketches (r={r}), no dense gradient; embedding "
-                 + ("and tied head sketched" if emb else "and head trained by AdamW with a dense gradient"))
+    try:
+        mt = cls.memory_terms(ctx)
+    except NotImplementedError as e:
+        raise ValueError(str(e)) from None
+    A += mt.assumptions
+    persist: list[Term] = [Term("params", "weights", s.total * b // shard_p, f"{s.total:,} x {b} B")]  # alive for the whole step
+    persist += mt.state
+    grads_all = list(mt.grads)  # alive once a micro-batch's backward has run (several micro-batches per update)
 
     # ---- activations saved by the forward, per decoder layer and token (elements) -------------------
     nh, kv = s.heads, s.kv_heads
     per_layer = []  # (elements per token, bytes per element, what)
     per_layer.append((2 * h, b, "residual stream: the layer's input and the mid-layer sum (RMSNorm keeps its input)"))
-    if norms_train:
+    if mt.trains_norms:
         per_layer.append((2 * h, b, "two normalized x (the RMSNorm weight's gradient needs them)"))
-    if inputs_saved:
-        per_layer.append((2 * h, b if kind == "full" or not low else 4,
+    if mt.saves_inputs:
+        per_layer.append((2 * h, b if mt.input_bytes is None else mt.input_bytes,
                           "two RMSNorm outputs (the q/k/v and gate/up inputs, kept for their weight gradients)"))
     kvd = kv * s.head_dim
     if padded:
@@ -345,12 +291,9 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
                           + ("; no padding: no mask, SDPA does GQA itself" if kv != nh else "")))
     per_layer.append((nh, 4, "SDPA's log-sum-exp (fp32)"))
     per_layer.append((3 * ff, b, "MLP: gate (SiLU's input), SiLU(gate) and up (the product's inputs)"))
-    if inputs_saved:
+    if mt.saves_inputs:
         per_layer.append((ff, b, "down_proj's input SiLU(gate)*up"))
-    if kind == "logra":
-        per_layer.append((7 * r, 4, f"X A^T (tokens x {r}, fp32) per sketched projection instead of X"))
-    if kind == "lora":
-        per_layer.append((7 * r, 4, f"lora_A's output (tokens x {r}, fp32) per adapter, lora_B's input"))
+    per_layer += mt.layer_extra
     if s.gemma:
         per_layer.append((2 * h, b + 4, "Gemma-2: two more norms per layer (post-attention, post-MLP) keep their input "
                                         "and an fp32 normalized x - UNCHECKED"))
@@ -358,9 +301,9 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
         per_layer.append((2 * nh * T, b, "eager attention: scores and softmax (heads x seq_len per token) - UNCHECKED"))
     layer_bytes = sum(e * by for e, by, _ in per_layer)  # per token
     saved_layers = N * layer_bytes * L
-    if kind == "lora":
+    if not (mt.trains_norms or mt.trains_embedding):
         saved_layers -= N * h * b  # the embedding output needs no gradient: layer 0's norm keeps nothing
-    final = N * h * b * (1 + (1 if norms_train else 0))  # the final norm's input (+ normalized x)
+    final = N * h * b * (1 + (1 if mt.trains_norms else 0))  # the final norm's input (+ normalized x)
     A.append("saved per layer and token: " + "; ".join(f"{e} x {by} B {w}" for e, by, w in per_layer))
     # padding only: HF's additive 4-D mask in the activation dtype (the profiler sees two of them); RoPE cos/sin
     shared = (2 * B * T * T * b if padded else 0) + 2 * B * T * s.head_dim * b
@@ -408,11 +351,11 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
         A.append(f"LM head: full logits ({why}): the model's own head over {Nl} tokens")
         if low or s.softcap:
             A.append("full-logits head in bf16/fp16 or with softcapping: UNCHECKED against the profiler")
-    if head_dense and chunk > 0 and plain_head:
+    if mt.head_grad and chunk > 0 and plain_head:
         head_terms.append(Term("activations", "head weight gradient (in flight)", V * h * 4 + (V * h * b if low else 0),
                                "fp32 V x h, summed into the embedding's gradient only when backward reaches the embedding"))
-    if head_sketched and chunk > 0 and plain_head:
-        head_terms.append(Term("activations", "head sketch contribution", V * r * 4, f"V x {r} fp32, added to the embedding sketch"))
+    if chunk > 0 and plain_head:
+        head_terms += mt.head
 
     # ---- candidates ---------------------------------------------------------------------------------
     acc = grads_all if k > 1 else []
@@ -424,37 +367,16 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
         cands["recompute"] = persist + acc + acts_fwd[:1] + [
             Term("activations", "one recomputed layer", one, "its saved activations"),
             Term("activations", "gradients flowing in that layer", trans + N * h * b, "~(2 ffn + 2 h) per token"),
-        ] + ([Term("activations", "head weight gradient (in flight)", V * h * 4, "")] if head_dense else [])
+        ] + ([Term("activations", "head weight gradient (in flight)", V * h * 4, "")] if mt.head_grad else [])
     # the end of backward: the embedding's gradient meets the tied head's (held since the head's backward)
-    if embed_dense:
+    if mt.embed_grad:
         n_buf = (3 if s.tied else 1) - (1 if k == 1 else 0)  # with no .grad yet, the sum becomes the gradient
         cands["backward_end"] = persist + grads_all + [
             Term("activations", "embedding gradient buffers", n_buf * V * h * b,
                  ("the head's gradient, the embedding lookup's and their sum" if s.tied else "the embedding lookup's gradient")
                  + " (V x h each); every activation is freed by then")]
-    # the optimizer step
-    opt_terms = persist + grads_all
-    if method in ("dense", "galore", "lora"):
-        biggest = max([s.embed] + [m * n for m, n in s.proj]) if kind == "full" else max(r * max(m, n) for m, n in s.proj)
-        opt_terms = opt_terms + [Term("activations", "AdamW temporaries", 2 * biggest * wb // shard_o,
-                                      "two of the largest tensor (of its shard); CPU single-tensor AdamW - CUDA's foreach AdamW is UNCHECKED")]
-        if method == "galore":
-            m, n = max(s.proj, key=lambda x: x[0] * x[1])
-            opt_terms.append(Term("activations", "GaLore project-back", 2 * m * n * wb // shard_o,
-                                  "the full-size update and its scaled copy"))
-    elif method == "galore_layerwise":
-        opt_terms = list(persist)  # every weight already stepped (and its gradient freed) inside backward
-    elif method == "logra":
-        rows_all = sum(m for m, _ in s.proj) + (V if emb else 0)
-        biggest_dense = max([s.embed if embed_dense else 0, s.head if head_dense else 0, h])
-        opt_terms = opt_terms + [
-            Term("activations", "update of the unsketched tensors", 2 * dense_rest * b // shard_o,
-                 "AdamW direction and the dense entry per tensor, held in the Update until apply"),
-            Term("activations", "temporaries of the largest dense entry", 2 * biggest_dense * b // shard_o,
-                 "direction * alpha and p * decay while the entry is formed"),
-            Term("activations", "D and its scaled copy", 2 * rows_all * r * 4 // shard_o,
-                 f"m x {r} fp32 per sketched weight, held in the Update until apply"),
-        ]
+    # the optimizer step, with the method's temporaries
+    opt_terms = persist + (grads_all if mt.grads_at_step else []) + mt.step
     cands["optimizer"] = opt_terms
 
     totals = {name: sum(t.nbytes for t in ts) for name, ts in cands.items()}

@@ -8,6 +8,11 @@ under a real name without a manifest, or a leftover ``.tmp_*``, is therefore inc
 reported and ignored (:func:`scan_checkpoints`), and the next save removes leftovers. Loading
 checks every file against the manifest and refuses a mismatch (:class:`CheckpointCorrupt`).
 
+Sharded checkpoints (``dist.strategy=fsdp2``, :mod:`experiments.rl.sharded_checkpoint`) put the
+model's and the method's tensors in ``dcp/`` (``torch.distributed.checkpoint``: one file per rank
+plus ``.metadata``), the method state's structure in ``method_structure.pt`` and one
+``rng_rank<r>.pt`` per rank; the same manifest lists every file, shards included.
+
 Safe loading: weights are safetensors; every ``.pt`` file loads with ``torch.load(weights_only=True)``
 (no pickle of code: GaLore's projector objects are stored as plain tensors and numbers, see
 ``baselines/galore.py``), and only after its checksum matched the manifest the run wrote.
@@ -66,21 +71,37 @@ def _fsync(path: Path) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model, method_state: dict, trainer_state: dict, keep: int = 2) -> Path:
     """Write ``checkpoints/step_<step>`` crash-safely (module doc); keep the newest ``keep`` (0 = all)."""
+    tmp = begin_checkpoint(run_dir, step)
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save(method_state, tmp / "method.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    return finish_checkpoint(run_dir, step, tmp, trainer_state, keep)
+
+
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """The fresh ``.tmp_step_<step>`` directory a checkpoint is written into (leftovers of a crashed
+    write removed). One process calls it; writers then fill the directory."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:06d}"
     for stale in root.glob(f"{TMP}*"):  # what a crashed write left behind
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f"{TMP}{PREFIX}{step:06d}"
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(method_state, tmp / "method.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
+    return tmp
+
+
+def finish_checkpoint(run_dir: Path, step: int, tmp: Path, trainer_state: dict, keep: int = 2) -> Path:
+    """Add ``trainer_state.json``, fsync every file (subfolders too: a sharded checkpoint's shards),
+    write the manifest last, rename ``tmp`` into place; keep the newest ``keep`` (0 = all)."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"{PREFIX}{step:06d}"
     (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
     files = {}
-    for f in sorted(tmp.iterdir()):
+    for f in sorted(x for x in tmp.rglob("*") if x.is_file()):
         _fsync(f)
-        files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
+        files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256(f)}
+    for d in sorted((x for x in tmp.rglob("*") if x.is_dir()), reverse=True):
+        _fsync(d)
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
     _fsync(tmp / MANIFEST)
     _fsync(tmp)

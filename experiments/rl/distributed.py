@@ -6,7 +6,8 @@ CUDA, gloo on CPU, ``dist.backend`` to force one). Every rank draws the same pro
 so rewards and advantages stay per group. Each rank divides its loss by the completion-token count
 of the *global* batch, so the sum over ranks of the accumulated gradients equals a one-process
 run's gradient of the same global batch; every reduction here is a sum. Rank 0 alone writes the
-run directory (config, metrics, samples, checkpoints); evaluation is split over the ranks.
+run directory (config, metrics, samples, checkpoints; under fsdp2 every rank writes its checkpoint
+shards); evaluation is split over the ranks.
 
 Strategies (``dist.strategy``, registry :data:`STRATEGIES`):
 
@@ -19,6 +20,20 @@ Strategies (``dist.strategy``, registry :data:`STRATEGIES`):
   reduce-scatters the dense gradients in backward; ``logra``'s sketches are all-reduced once per
   step and each rank's RowAdam update D_k A touches only its own rows (A rebuilt from its seed).
   Rollouts and evaluation run on the whole weights (gathered once per phase, then resharded).
+  The chunked LM head (``train.logprob_chunk > 0``) runs inside the root module's forward
+  (:func:`through_root`), where FSDP gathers the head and embedding and from which its backward
+  reduce-scatters their gradients: no tokens × vocab logits exist on any rank. Step control
+  (:meth:`FSDP2.predict_kl`) predicts on the gathered weights: each rank's low-rank hooks get a
+  layer's whole D (an all-gather of the m × r factor rows) and A from its seed, the dense Δ of
+  sharded tensors is gathered, each rank probes its share and the prediction is the token-weighted
+  mean over ranks, as under ddp. A rollout engine with its own copy (``rollout.engine=hf|vllm``: one
+  engine per rank) starts from a fresh skeleton and follows the trainer through
+  :class:`GatheringSender` payloads: each sketched weight's L = −η·s·D with its rows gathered from
+  their owners (A from the seed), the changed dense tensors gathered whole; the checksum is taken
+  on the gathered tensors, so every rank's copy is verified against the same digest. Checkpoints are
+  sharded (``torch.distributed.checkpoint``, :mod:`experiments.rl.sharded_checkpoint`): each rank
+  writes its model shards and its rows of the method state; a run resumes on the same world size
+  (tests/test_distributed.py: weights within 1e-6, the same step scales and losses), or in one process.
 * ``deepspeed`` — DeepSpeed ZeRO (``dist.deepspeed_config``, default ``zero2``) wraps methods whose
   optimizer acts elementwise on the trainable tensors (``Method.elementwise_optimizer``: dense
   AdamW). ``logra`` is refused: ZeRO flattens the parameters into per-rank partitions and steps the
@@ -31,6 +46,7 @@ equality tests of 1 and 2 ranks rely on it), at the cost of smaller generate bat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -42,8 +58,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from experiments.rl.checkpoint import list_checkpoints
+from experiments.rl.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from experiments.rl.sharded_checkpoint import is_sharded, load_sharded, save_sharded
+from logra_core.distributed import gather_rows
+from logra_core.sync import SyncSender
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -79,8 +99,9 @@ def build_strategy(cfg, method_cls) -> "DataParallel":
     c = cfg.dist
     if c.strategy not in STRATEGIES:
         raise ValueError(f"unknown dist.strategy {c.strategy!r}; registered: {sorted(STRATEGIES)}")
-    if world_size() <= 1 and not dist.is_initialized():
-        return DataParallel(cfg)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if world_size() <= 1 and not dist.is_initialized() and not (under_torchrun and c.strategy != "ddp"):
+        return DataParallel(cfg)  # one plain process (torchrun --nproc_per_node=1 still shards under fsdp2)
     if not dist.is_initialized():
         cuda = cfg.device != "cpu" and torch.cuda.is_available()
         if cuda:
@@ -95,6 +116,31 @@ def build_strategy(cfg, method_cls) -> "DataParallel":
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def through_root(model: nn.Module, fn: Callable, **kwargs):
+    """``fn(**kwargs)`` run as the forward of ``model`` when it is an FSDP2 module, else called directly.
+
+    FSDP2 gathers the root's own parameters (embedding, final norm, LM head) in the root's
+    forward pre-hook and reduce-scatters their gradients after the backward through that forward's
+    output. A computation that calls the decoder and the head weight itself (the chunked LM head)
+    therefore has to *be* the root's forward: the instance's ``forward`` is swapped for ``fn`` for
+    the call, so FSDP's hooks (registered on the module, not on its forward) run around it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return fn(**kwargs)
+    had = "forward" in vars(model)
+    previous = vars(model).get("forward")
+    model.forward = fn
+    try:
+        return model(**kwargs)
+    finally:
+        if had:
+            model.forward = previous
+        else:
+            del model.forward
 
 
 class _NullWriter:
@@ -243,6 +289,19 @@ class DataParallel:
         micro = [rows[i : i + size] for i in range(0, len(rows), size)]
         return self.even_micro_batches(micro), len(micro)
 
+    def sync_sender(self, model: nn.Module) -> SyncSender:
+        """What builds the weight-sync payloads of an engine with its own copy (:mod:`logra_core.sync`)."""
+        return SyncSender(model)
+
+    def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int) -> float:
+        """This rank's predicted KL of ``update`` on its probe ``inputs`` (0.0 without a probe); a
+        collective wherever the weights are sharded, so every rank calls it."""
+        from logra_core.kl_predictor import predict_kl
+
+        if not inputs:
+            return 0.0
+        return predict_kl(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk)
+
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
         """Micro-batches padded (with repeats of a real row, trained with weight 0) to the largest
         count on any rank, where every forward/backward is a collective (FSDP); else unchanged."""
@@ -252,6 +311,65 @@ class DataParallel:
     def checkpoint_state(self, model: nn.Module, method) -> tuple[nn.Module, dict]:
         """(a module whose state_dict is the whole model, the method's state) for rank 0 to save."""
         return model, method.state_dict()
+
+    def save_checkpoint(self, run_dir: Path, step: int, model: nn.Module, method, trainer_state: dict, keep: int) -> None:
+        """Every rank calls it; rank 0 writes the whole model and the method state (experiments/rl/checkpoint.py)."""
+        module, method_state = self.checkpoint_state(model, method)  # gathers shards: every rank
+        if self.is_main:
+            save_checkpoint(run_dir, step, module, method_state, trainer_state, keep=keep)
+        self.barrier()
+
+    def load_checkpoint(self, path: Path, model: nn.Module, method) -> dict:
+        """Load a checkpoint into ``model`` and ``method`` (a sharded one too, laid out anew: a run
+        sharded over N ranks resumes in one process); returns the trainer state (step, data position)."""
+        if is_sharded(path):
+            return load_sharded(path, model, method)
+        method_state, state = load_checkpoint(path, model)  # CheckpointCorrupt on a checksum mismatch
+        method.load_state_dict(method_state)
+        return state
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class GatheringSender(SyncSender):
+    """Sync payloads of whole tensors from a row-sharded (FSDP2) trainer, identical on every rank.
+
+    A step's low-rank op on a sharded weight carries this rank's rows of L; the payload gets every
+    rank's rows (:func:`logra_core.distributed.gather_rows`, m × r), with A still rebuilt from its
+    seed by the receiver. Changed dense tensors, fp32 masters (row shards of the weight they shadow)
+    and, for the checksum, the touched weights are gathered whole. Every rank must call
+    :meth:`delta` / :meth:`full` together (collectives in the same order: the names sorted).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.sharded = dict(self.tensors.params)
+
+    def _gathered(self, names) -> dict[str, torch.Tensor]:
+        return {n: _whole(self.sharded[n].detach()) for n in sorted(names)}
+
+    def _masters(self, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: gather_rows(masters[n], self.sharded[n]) for n in sorted(masters)}
+
+    def delta(self, lowrank, changed, masters):
+        lowrank = {n: dataclasses.replace(lowrank[n], left=gather_rows(lowrank[n].left, self.sharded[n]))
+                   for n in sorted(lowrank)}
+        masters = self._masters(masters)
+        self.tensors.params = self._gathered(set(lowrank) | set(changed))
+        try:
+            return super().delta(lowrank, changed, masters)
+        finally:
+            self.tensors.params = self.sharded
+
+    def full(self, masters=None):
+        masters = self._masters(masters) if masters is not None else None
+        self.tensors.params = self._gathered(self.sharded)
+        try:
+            return super().full(masters)
+        finally:
+            self.tensors.params = self.sharded
 
 
 def _tie(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -278,15 +396,9 @@ class _StateDictModule(nn.Module):
 class FSDP2(DataParallel):
     """``torch.distributed.fsdp.fully_shard`` on each decoder layer and the root (rows sharded)."""
 
-    requires_shared_engine = True
-    step_control_ok = False
-    resumable = False
 
-    def check(self, cfg, method_cls) -> None:
-        super().check(cfg, method_cls)
-        if cfg.train.logprob_chunk > 0:
-            raise ValueError("dist.strategy=fsdp2 needs train.logprob_chunk=0: the chunked LM-head path calls the decoder "
-                             "and the head's weight directly, outside the root module's forward, where FSDP gathers them")
+    def sync_sender(self, model: nn.Module) -> SyncSender:
+        return GatheringSender(model) if self.distributed else SyncSender(model)
 
     def wrap(self, model: nn.Module, method) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -326,6 +438,23 @@ class FSDP2(DataParallel):
                 m.reshard()
                 m.set_reshard_after_forward(True, recurse=False)
 
+    def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int) -> float:
+        """The KL predictor on the gathered weights (a collective: every rank calls it, with or
+        without a probe). A low-rank ΔW = D A of a row-sharded weight enters with its whole D, the
+        ranks' rows all-gathered (m × r: small), and the same A on every rank (rebuilt from the
+        seed); a dense Δ that is a row-sharded DTensor is gathered whole."""
+        from logra_core.kl_predictor import predict_kl
+
+        if not self.distributed:
+            return super().predict_kl(model, inputs, update, chunk)
+        lowrank = {}
+        for name, (D, A) in update.lowrank.items():
+            weight = model.get_submodule(name).weight
+            lowrank[name] = (gather_rows(D, weight), A)
+        dense = {name: (d.full_tensor() if isinstance(d, DTensor) else d) for name, d in update.dense.items()}
+        with self.full_weights(model):  # gathering is a collective: ranks without a probe take part
+            return predict_kl(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk) if inputs else 0.0
+
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
         most = self._max(len(micro))
         filler = micro[0][:1] if micro else torch.zeros(1, dtype=torch.long)
@@ -335,6 +464,19 @@ class FSDP2(DataParallel):
         t = torch.tensor([n], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t)
+
+    def save_checkpoint(self, run_dir: Path, step: int, model: nn.Module, method, trainer_state: dict, keep: int) -> None:
+        """Sharded (experiments/rl/sharded_checkpoint.py): every rank writes its own shards of the
+        model and of the method state (DCP), nothing is gathered."""
+        if not self.distributed:
+            return super().save_checkpoint(run_dir, step, model, method, trainer_state, keep)
+        save_sharded(run_dir, step, model, method, trainer_state, keep=keep)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, method) -> dict:
+        if self.distributed and not is_sharded(path):
+            raise ValueError(f"{path} holds whole weights written by one process; resuming it sharded over "
+                             f"{self.world_size} ranks is not supported: resume it with one process, or start anew")
+        return super().load_checkpoint(path, model, method)
 
     def checkpoint_state(self, model: nn.Module, method) -> tuple[nn.Module, dict]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

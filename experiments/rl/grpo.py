@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from experiments.rl.distributed import through_root
 from logra_core.chunked_head import chunked_token_logprobs
 
 
@@ -115,10 +116,15 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, c
     head = model.get_output_embeddings()
     plain_head = isinstance(head, torch.nn.Linear) and head.bias is None and not getattr(model.config, "final_logit_softcapping", None)
     if chunk > 0 and plain_head:
-        hidden = model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state[:, -completion_len - 1 : -1]
-        return chunked_token_logprobs(hidden, head.weight, targets, chunk)
+        def chunked(input_ids, attention_mask, position_ids):
+            hidden = model.base_model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state[:, -completion_len - 1 : -1]
+            # a fresh tensor, not a view: FSDP hooks the root's output for its backward
+            return chunked_token_logprobs(hidden, model.get_output_embeddings().weight, targets, chunk).clone()
+
+        # as the root's forward: a sharded model (FSDP2) gathers the head there and reduces its gradient after
+        return through_root(model, chunked, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -122,22 +122,21 @@ def planner_estimate(cfg, model_config: Optional[dict], world_size: int, device:
 
         if model_config is None:
             raise ValueError("the model has no HF config")
-        method_cfg = getattr(cfg, cfg.method)
-        rank = getattr(method_cfg, "rank", getattr(method_cfg, "r", 256))
+        from baselines import METHODS
+
+        method_opts = {"rank": 256, **METHODS[cfg.method].plan_options(getattr(cfg, cfg.method))}
         capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * 2**30
         zero = cfg.dist.deepspeed_config if cfg.dist.deepspeed_config in ("zero2", "zero3") else "zero2"
         sharding = {"fsdp2": "fsdp", "deepspeed": zero}.get(cfg.dist.strategy, "none") if world_size > 1 else "none"
         seq_len = 256 + cfg.rollout.max_new_tokens
         rows = cfg.train.prompts_per_step * cfg.train.group_size // world_size
         opts = {"gradient_checkpointing": cfg.model.gradient_checkpointing, "master_weights": False,
-                "embeddings": bool(getattr(method_cfg, "embeddings", False)), "logprob_chunk": cfg.train.logprob_chunk,
-                "logits_chunk": cfg.train.logprob_chunk, "completion_len": cfg.rollout.max_new_tokens,
+                "logprob_chunk": cfg.train.logprob_chunk, "completion_len": cfg.rollout.max_new_tokens,
                 "micro_batches": max(1, -(-rows // cfg.train.micro_batch_size))}
-        known = getattr(planner, "OPTIONS", {"gradient_checkpointing", "master_weights", "embeddings", "logits_chunk"})
         p = planner.plan({**model_config, "name": cfg.model.name}, cfg.method, gpus=world_size,
                          gpu_mem_gb=capacity / 2**30, micro_batch=cfg.train.micro_batch_size, seq_len=seq_len,
-                         rank=int(rank), sharding=sharding, rollout="colocated" if cfg.rollout.engine == "vllm" else "none",
-                         dtype=cfg.model.dtype, **{k: v for k, v in opts.items() if k in known})
+                         sharding=sharding, rollout="colocated" if cfg.rollout.engine == "vllm" else "none",
+                         dtype=cfg.model.dtype, **method_opts, **opts)
     except Exception as e:  # noqa: BLE001  (the message must not fail in turn)
         return f"The memory planner could not estimate this run ({type(e).__name__}: {e})."
     gib = 2**30

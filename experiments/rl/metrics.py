@@ -1,8 +1,10 @@
-"""Metric keys (the one place they are documented) and the per-run metrics writer.
+"""Metric keys and the per-run metrics writer.
 
 Every line of ``metrics.jsonl`` is one step: ``{"step": s, "<namespace>/<name>": value, ...}``.
-Namespaces: reward/, eval/, loss/, clip/, kl/, step/, rollout/, sync/, time/, mem/, dist/. A key that is
-not documented here is refused, so the analysis code can rely on this table.
+Namespaces: reward/, eval/, loss/, clip/, kl/, step/, rollout/, sync/, time/, mem/, dist/. The harness'
+keys are documented here (:data:`METRICS`); a method documents the keys only it logs in its own file
+(``Method.metrics``), and :func:`documented_metrics` joins both. A key documented in neither place is
+refused, so the analysis code can rely on the table.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ METRICS: dict[str, str] = {
     "kl/realized": "exact KL(pi_old || pi_new) per probe token of the applied update (step_control.measure_realized)",
     "step/scale": "scale s applied to the proposed update: min(1, sqrt(target_kl / kl/predicted))",
     "step/skipped": "updates of the step skipped by the non-finite guard (a NaN/Inf in a loss, gradient, sketch or proposed update; experiments/rl/guard.py): 0 or 1 per ppo epoch; the offending tensor is named in <run_dir>/skips.jsonl",
-    "step/params_stepped": "parameters stepped inside backward hooks in the update (galore_layerwise)",
     "step/lr": "learning rate of the update",
     "rollout/len_mean": "mean completion length in tokens",
     "rollout/truncated_frac": "fraction of completions cut by max_new_tokens",
@@ -65,6 +66,19 @@ METRICS: dict[str, str] = {
 }
 
 
+def documented_metrics() -> dict[str, str]:
+    """Every documented key with its meaning: :data:`METRICS` and each registered method's ``metrics``."""
+    from baselines import METHODS
+
+    out = dict(METRICS)
+    for name, method in sorted(METHODS.items()):
+        for key, meaning in method.metrics.items():
+            if key in METRICS and METRICS[key] != meaning:
+                raise ValueError(f"method {name!r} redefines the harness metric {key!r}; choose another key")
+            out.setdefault(key, f"{meaning} ({name})")
+    return out
+
+
 def peak_rss_bytes() -> int:
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(r if sys.platform == "darwin" else r * 1024)
@@ -81,6 +95,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, tensorboard: bool = False):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.known = documented_metrics()
         self.tb = None
         if tensorboard:
             try:
@@ -94,9 +109,13 @@ class MetricsWriter:
         truncate_jsonl(self.path, step)
 
     def write(self, record: dict) -> None:
-        unknown = [k for k in record if k not in METRICS]
+        unknown = [k for k in record if k not in self.known]
         if unknown:
-            raise KeyError(f"undocumented metric keys {unknown}: add them to experiments/rl/metrics.py")
+            self.known = documented_metrics()  # a method registered after this writer was made
+            unknown = [k for k in record if k not in self.known]
+        if unknown:
+            raise KeyError(f"undocumented metric keys {unknown}: add them to experiments/rl/metrics.py "
+                           "(harness keys) or to the method's `metrics` (keys only it logs)")
         record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")

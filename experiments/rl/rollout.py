@@ -12,6 +12,7 @@ is a ready model input whose completions occupy the last C columns.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass
 from typing import Callable
@@ -139,6 +140,21 @@ def register_engine(name: str):
         return cls
 
     return wrap
+
+
+def copy_policy(model, factory=None):
+    """An engine's own copy of the policy, eval mode, no gradients: a deep copy of ``model``, or,
+    when ``model`` is sharded (FSDP2: its parameters are DTensor shards, which a copy would keep
+    sharded), a fresh skeleton from ``factory`` on the model's device, whose weights arrive with the
+    first full sync (every tensor, gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        if factory is None:
+            raise ValueError("an engine copy of a sharded (FSDP2) policy needs a factory that builds its skeleton")
+        copy_, _ = factory()
+        return copy_.to(next(model.parameters()).device).eval().requires_grad_(False)
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def build_engine(cfg: RolloutConfig, model, tokenizer, factory=None) -> RolloutEngine:

@@ -3,10 +3,9 @@
 It holds ``config.yaml`` (the resolved config), ``meta.json`` (git sha, library versions, start time,
 one entry per resumption), ``metrics.jsonl`` (the metrics writer's), ``samples.jsonl`` (a few
 completions per step), ``skips.jsonl`` (updates the non-finite guard skipped) and the checkpoints
-(``experiments/rl/checkpoint.py``). A run refuses to start in a directory that holds one unless
+(``experiments/rl/checkpoint.py``, written and read by the distributed strategy). A run refuses to start in a directory that holds one unless
 ``resume=true``, and a resumption refuses a config that differs in a key that matters
-(``experiments.config.config_diff``). Only the main rank writes; checkpoint state is gathered by the
-distributed strategy before :meth:`RunDirectory.save_checkpoint`.
+(``experiments.config.config_diff``). Only the main rank writes here.
 """
 
 from __future__ import annotations
@@ -63,19 +62,13 @@ class RunDirectory:
         write_atomic(path, json.dumps(meta, indent=1))
 
     # ---- checkpoints ------------------------------------------------------------------------------
-    def load_latest_checkpoint(self, model, verbose: bool = True) -> Optional[tuple[dict, dict]]:
-        """``(method state, trainer state)`` of the newest complete checkpoint, loading the weights into
-        ``model``; None when there is none. Incomplete ones (no manifest: a write that did not finish)
-        are reported and ignored; a checksum mismatch raises ``CheckpointCorrupt``."""
+    def latest_checkpoint(self, verbose: bool = True) -> Optional[Path]:
+        """The newest complete checkpoint (the distributed strategy loads it), or None. Incomplete ones
+        (no manifest: a write that did not finish) are reported and ignored."""
         found, incomplete = ckpt.scan_checkpoints(self.path)
         for p in incomplete if verbose else []:
             print(f"[resume] ignoring incomplete checkpoint {p} (no {ckpt.MANIFEST}: a write that did not finish)")
-        if not found:
-            return None
-        return ckpt.load_checkpoint(found[-1], model)
-
-    def save_checkpoint(self, step: int, model, method_state: dict, state: dict, keep: int) -> None:
-        ckpt.save_checkpoint(self.path, step, model, method_state, state, keep=keep)
+        return found[-1] if found else None
 
     def truncate_after(self, step: int) -> None:
         """Drop the samples and skips written after ``step`` (they are redone on resume, not duplicated)."""

@@ -13,7 +13,6 @@ gap) makes the trainer send a full payload (:mod:`logra_core.sync`).
 
 from __future__ import annotations
 
-import copy
 import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -21,7 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as mp
 
-from experiments.rl.rollout import HFGenerateEngine, RolloutConfig, RolloutEngine, Rollouts, register_engine
+from experiments.rl.rollout import (HFGenerateEngine, RolloutConfig, RolloutEngine, Rollouts, copy_policy,
+                                   register_engine)
 from logra_core.sync import Channel, SyncPayload, SyncReceiver, recv_payload, send_payload
 
 
@@ -53,7 +53,7 @@ class HFCopyEngine(HFGenerateEngine):
     holds_copy = True
 
     def __init__(self, cfg: RolloutConfig, model, tokenizer, factory: Optional[Callable] = None):
-        copy_ = copy.deepcopy(model).eval().requires_grad_(False)
+        copy_ = copy_policy(model, factory)
         super().__init__(cfg, copy_, tokenizer)
         self.receiver = SyncReceiver(copy_)
 

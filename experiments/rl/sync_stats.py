@@ -20,9 +20,9 @@ ADDITIVE = ("sync/bytes", "time/sync_s", "sync/resyncs")  # summed over a step's
 class WeightSync:
     """The sender side for ``engine``; a no-op (empty stats) for an engine that shares the trainer's module."""
 
-    def __init__(self, model, engine):
+    def __init__(self, model, engine, make_sender=SyncSender):
         self.model, self.engine = model, engine
-        self.sender = SyncSender(model) if engine.holds_copy else None
+        self.sender = make_sender(model) if engine.holds_copy else None  # the strategy's (sharded weights: gathered)
 
     def __call__(self, method, full: bool = False, step: int = 0) -> dict[str, float]:
         """Send ``method``'s last update (``full``: every tensor) and return the stats above."""

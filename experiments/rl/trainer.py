@@ -44,7 +44,7 @@ from experiments.rl.run_dir import RunDirectory
 from experiments.rl.sync_engines import PolicyFactory
 from experiments.rl.sync_stats import WeightSync
 from experiments.rl.tasks import build_task, format_prompt, held_out
-from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl
+from logra_core.kl_predictor import exact_kl, hidden_states
 from logra_core.step_control import step_scale
 
 def probe_inputs(rollouts: Rollouts, device) -> dict[str, torch.Tensor]:
@@ -95,7 +95,7 @@ class GRPOTrainer:
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.engine = build_engine(c.rollout, self.model, self.tokenizer,
                                    factory=PolicyFactory(c.model, c.method, getattr(c, c.method), c.threads))
-        self.weight_sync = WeightSync(self.model, self.engine)  # bytes, resyncs, full-sync fallback
+        self.weight_sync = WeightSync(self.model, self.engine, self.dist.sync_sender)  # bytes, resyncs, full-sync fallback
         if self.dist.is_main:
             self.directory.record()  # only now: a run that failed to set up leaves no run directory behind
         self.metrics = self.dist.metrics_writer(lambda: MetricsWriter(self.run_dir, tensorboard=c.log.tensorboard))
@@ -109,10 +109,9 @@ class GRPOTrainer:
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def _resume(self) -> None:
-        found = self.directory.load_latest_checkpoint(self.model, verbose=self.dist.is_main)  # CheckpointCorrupt on a checksum mismatch
+        found = self.directory.latest_checkpoint(verbose=self.dist.is_main)  # the newest complete one, or None
         if found:
-            method_state, state = found
-            self.method.load_state_dict(method_state)
+            state = self.dist.load_checkpoint(found, self.model, self.method)  # CheckpointCorrupt on a checksum mismatch
             self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
             self.consecutive_skips = state.get("consecutive_skips", 0)
             print(f"[resume] continuing {self.run_dir} from step {self.step}")
@@ -125,10 +124,7 @@ class GRPOTrainer:
 
     def save(self) -> None:
         state = {"epoch": self.epoch, "cursor": self.cursor, "consecutive_skips": self.consecutive_skips}
-        model, method_state = self.dist.checkpoint_state(self.model, self.method)  # gathers shards: every rank
-        if self.dist.is_main:
-            self.directory.save_checkpoint(self.step, model, method_state, state, keep=self.cfg.checkpoint.keep)
-        self.dist.barrier()
+        self.dist.save_checkpoint(self.run_dir, self.step, self.model, self.method, state, keep=self.cfg.checkpoint.keep)  # every rank
 
     # ---- data -----------------------------------------------------------------------------
     def _next_problems(self, n: int):
@@ -142,6 +138,11 @@ class GRPOTrainer:
             if self.cursor >= len(self.train_problems):
                 self.epoch, self.cursor = self.epoch + 1, 0
         return out
+
+    def _policy_weights(self):
+        """The trainer's whole weights while the engine samples from them (sharded strategies gather
+        them); nothing where the engine holds its own copy."""
+        return nullcontext() if self.engine.holds_copy else self.dist.full_weights(self.model)
 
     def _prompts(self, problems) -> list[str]:
         return [format_prompt(self.tokenizer, p, self.cfg.task.instruction) for p in problems]
@@ -203,7 +204,7 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         problems = self.dist.shard(self._next_problems(tc.prompts_per_step))  # this rank's whole groups
-        with self.profiler.step(self.step + 1), self._phase("rollout"), self.dist.full_weights(self.model):
+        with self.profiler.step(self.step + 1), self._phase("rollout"), self._policy_weights():
             rollouts = self.dist.generate(self.engine, self._prompts(problems), tc.group_size, self.step)
         t1 = time.perf_counter()
         references = [p.reference for p in problems for _ in range(tc.group_size)]
@@ -313,17 +314,21 @@ class GRPOTrainer:
         probe = rows[: -(-sc.probe_seqs // self.dist.world_size)]  # each rank probes its share
         inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
         weight = float(inputs["positions"].sum()) if inputs else 0.0
-        with self._phase("kl_predict"):
-            predicted = predict_kl(self.model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=sc.chunk) if inputs else 0.0
+        with self._phase("kl_predict"):  # a collective where the weights are sharded: every rank calls it
+            predicted = self.dist.predict_kl(self.model, inputs, update, sc.chunk)
         predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
         scale = step_scale(predicted, sc.target_kl)
-        if sc.measure_realized and inputs:
-            head = self.model.get_output_embeddings().weight
-            h_old, w_old = hidden_states(self.model, **inputs), head.detach().clone()
+        if sc.measure_realized:
+            with self.dist.full_weights(self.model):
+                if inputs:
+                    head = self.model.get_output_embeddings().weight
+                    h_old, w_old = hidden_states(self.model, **inputs), head.detach().clone()
         self.method.apply(update, scale)
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale})
         if sc.measure_realized:
-            realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs), head.detach(), sc.chunk).mean()) if inputs else 0.0
+            with self.dist.full_weights(self.model):
+                realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs),
+                                          self.model.get_output_embeddings().weight.detach(), sc.chunk).mean()) if inputs else 0.0
             stats["kl/realized"] = self.dist.weighted_mean(realized, weight)
         return stats
 
@@ -385,7 +390,7 @@ class GRPOTrainer:
         correct, lengths = [], []
         problems, real = self.dist.shard_padded(self.test_problems)  # every rank evaluates its share
         with oom_context("eval", self._memory_estimate), \
-                torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self.dist.full_weights(self.model):
+                torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self._policy_weights():
             for i in tqdm(range(0, len(problems), c.eval.batch_size), desc="eval", leave=False, disable=not c.log.progress):
                 batch = problems[i : i + c.eval.batch_size]
                 out = self.engine.generate(self._prompts(batch), n=1, greedy=True, max_new_tokens=c.eval.max_new_tokens)

@@ -21,7 +21,6 @@ only when the engine is built: this module imports without it.
 
 from __future__ import annotations
 
-import copy
 import gc
 import json
 import logging
@@ -35,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from experiments.rl.rollout import RolloutConfig, RolloutEngine, Rollouts, _as_list, _pad, register_engine
+from experiments.rl.rollout import RolloutConfig, RolloutEngine, Rollouts, _as_list, _pad, copy_policy, register_engine
 from logra_core.sync import SyncPayload, SyncReceiver
 
 KV_CACHE_BYTES = 1 << 30  # the engine's KV cache on CPU; VLLM_CPU_KVCACHE_SPACE (GiB) overrides
@@ -59,7 +58,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"rollout.engine=vllm needs a plain HF model (got {type(model).__name__}; "
                              "LoRA adapters would go through vLLM's LoRA path, not implemented)")
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.shadow = copy.deepcopy(model).eval().requires_grad_(False)
+        self.shadow = copy_policy(model, factory)  # FSDP2: a skeleton the first full sync fills
         self.receiver = SyncReceiver(self.shadow)
         self.params = dict(self.shadow.named_parameters())
         self.eos = _as_list(model.generation_config.eos_token_id)

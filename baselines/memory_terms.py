@@ -1,0 +1,85 @@
+"""What a method tells the memory planner: the bytes only it knows, as declarative terms.
+
+The planner (``experiments/memory/planner.py``) is generic: it counts the weights, the activations a
+decoder layer saves, the LM head's buffers and the candidate peaks of a training step (``backward``,
+``recompute``, ``backward_end``, ``optimizer``; see its module docstring). Every method adds its own
+part through ``Method.memory_terms(ctx) -> MemoryTerms``, written in the method's file:
+
+* ``state``: alive for the whole step (trainable adapters, optimizer moments, projectors, masters,
+  buffers the method keeps on the layers);
+* ``grads``: alive once a micro-batch's backward has run (dense gradients, sketches), so alive
+  during the last micro-batch's backward when there are several;
+* ``step``: the method's temporaries at the optimizer step, beside ``state`` and ``grads``;
+* flags for what the forward saves and what gets a dense gradient (the planner's activation and
+  LM-head terms read them).
+
+This module imports nothing heavy (no torch), so the planner stays importable without the harness.
+Bytes of one element follow ``PlanContext``: ``weight_bytes`` (the model dtype), ``master_bytes``
+(an fp32 master copy, 0 without one) and ``moment_bytes`` (one optimizer moment); AdamW keeps a
+master and two moments per trained element (``adam_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "rollout", "other")
+
+
+@dataclass
+class Term:
+    """Bytes of one group of tensors, alive at a candidate peak."""
+    category: str  # one of CATEGORIES (how Plan.categories sums it)
+    name: str  # what the tensors are
+    nbytes: int  # bytes per GPU
+    note: str = ""  # the assumption behind the count, printed in Plan.table()
+
+
+@dataclass
+class PlanContext:
+    """What a method's terms may depend on: the model's shapes and the planner's settings."""
+    shapes: Any  # experiments.memory.planner.Shapes: parameter counts of the decoder-only transformer
+    weight_bytes: int  # bytes of one weight/activation element in the model dtype
+    master_bytes: int  # bytes per element of an fp32 master copy kept by AdamW (0: no master)
+    moment_bytes: int  # bytes per element of one optimizer moment (and of AdamW's step temporaries)
+    rank: int  # the planner's rank: LoGRA sketch rank, GaLore rank, LoRA r
+    micro_batches: int  # micro-batches per update (k); k > 1 keeps the earlier gradients alive
+    shard_params: int  # divisor of parameter bytes (FSDP / ZeRO-3 over the GPUs, else 1)
+    shard_grads: int  # divisor of gradient bytes (FSDP / ZeRO-2/3)
+    shard_optimizer: int  # divisor of optimizer-state bytes (any sharding)
+    options: dict = field(default_factory=dict)  # the method's own planner options (Method.plan_option_names)
+
+    @property
+    def low(self) -> bool:
+        """Weights in bf16/fp16 (fewer than 4 bytes)."""
+        return self.weight_bytes < 4
+
+    @property
+    def adam_bytes(self) -> int:
+        """AdamW state per trained element: master + two moments."""
+        return self.master_bytes + 2 * self.moment_bytes
+
+
+@dataclass
+class MemoryTerms:
+    """A method's part of one training step's memory (see the module docstring)."""
+    state: list[Term] = field(default_factory=list)  # alive for the whole step (beside the weights)
+    grads: list[Term] = field(default_factory=list)  # alive once a micro-batch's backward has run
+    step: list[Term] = field(default_factory=list)  # the optimizer step's temporaries
+    grads_at_step: bool = True  # False: every gradient was consumed (and freed) inside backward
+    trains_norms: bool = True  # the RMSNorm weights train: each norm keeps its normalized x
+    trains_embedding: bool = True  # the embedding receives a gradient (dense or sketched)
+    saves_inputs: bool = True  # each projection (or its adapter) keeps its input x for a weight gradient
+    input_bytes: int | None = None  # bytes per element of the kept norm outputs (None: the weight dtype)
+    layer_extra: list[tuple[int, int, str]] = field(default_factory=list)  # per decoder layer and token: (elements, bytes each, what)
+    embed_grad: bool = True  # the embedding gets a dense V x h gradient (the backward_end candidate)
+    head_grad: bool = True  # an LM head (tied or not) gets a dense fp32 V x h weight gradient in its backward
+    head: list[Term] = field(default_factory=list)  # more terms alive in the LM head's backward (e.g. a head sketch)
+    assumptions: list[str] = field(default_factory=list)  # printed among the plan's assumptions
+
+
+def adamw_temporaries(ctx: PlanContext, biggest: int) -> Term:
+    """CPU single-tensor AdamW: two temporaries the size of the largest tensor it steps."""
+    return Term("activations", "AdamW temporaries", 2 * biggest * ctx.moment_bytes // ctx.shard_optimizer,
+                "two of the largest tensor (of its shard); CPU single-tensor AdamW - CUDA's foreach AdamW is UNCHECKED")
