@@ -70,7 +70,9 @@ def fsdp2_note(run: Run, p, model, kwargs: dict, gpus: int) -> str:
                         else ": DOES NOT FIT at tensor_parallel_size=1"))
         fits &= ok
     control = cfg.get("step_control", {}).get("enabled")
-    if cfg.method == "logra" if control is None else control:
+    from baselines import METHODS
+
+    if METHODS[cfg.method].step_control_default if control is None else control:
         at_predict = p.total_bytes - p.categories.get("activations", 0) + weights - weights // gpus
         ok = at_predict <= p.capacity_bytes
         notes.append(f"step control gathers the weights: {at_predict / gib:.1f} GiB at the prediction"
