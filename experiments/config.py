@@ -1,28 +1,35 @@
 """The run configuration: one dataclass per component, merged defaults -> YAML -> command line.
 
 Each component keeps its config dataclass next to its code (``ModelConfig`` in ``rl/models.py``,
-``TaskConfig`` in ``rl/tasks.py``, ...); :class:`RunConfig` nests them. Every registered method
-adds its own section under its name (``dense.lr``, later ``logra.rank``), so a method brings its
-knobs without the trainer knowing them.
+``TaskConfig`` in ``rl/tasks.py``, ...); :class:`RunConfig` nests them. A run config holds the
+section of its own method only (``dense.lr`` for ``method=dense``, ``logra.rank`` for
+``method=logra``): a method brings its knobs without the trainer knowing them. A YAML file or a
+command line may also set other methods' sections (a sweep's base shared by several methods); those
+are checked against their method's dataclass, then dropped.
 
 Merge order (later wins): dataclass defaults -> ``experiments/configs/default.yaml`` -> the YAML
 named by ``config=<path or name>`` -> ``key=value`` overrides. Shorthands: ``task=arith`` sets
 ``task.name``, ``model=tiny-llama`` sets ``model.name``. An unknown key or a value of the wrong
 type is a :class:`ConfigError` naming the key, raised before anything heavy is loaded. The result
 is read-only.
+
+A run's key (:func:`run_key`, the ``<hash8>`` of a sweep's run directory) hashes :data:`SCHEMA_VERSION`
+and the values that differ from the dataclass defaults, minus :data:`NOT_IDENTITY`: adding a key, or
+changing the default of a key a run does not hold (another method's), keeps every finished run's key.
+A changed default that changes what existing runs compute needs a :data:`SCHEMA_VERSION` bump.
 """
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Optional, Sequence, get_type_hints
+from typing import Any, Optional, Sequence, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from baselines import METHODS
+from experiments.common.config import ConfigError, field_comments, flatten, known_keys, merge, stable_hash
 from experiments.rl.distributed import DistConfig
 from experiments.rl.grpo import GRPOConfig
 from experiments.rl.guard import GuardConfig
@@ -30,6 +37,9 @@ from experiments.rl.models import ModelConfig
 from experiments.rl.rollout import RolloutConfig
 from experiments.rl.tasks import TaskConfig
 from logra_core.step_control import StepControlConfig
+
+__all__ = ["ConfigError", "RunConfig", "build_config", "config_diff", "describe", "identity", "non_defaults",
+           "run_key", "schema", "to_yaml"]
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 SHORTHANDS = {"task": "task.name", "model": "model.name"}
@@ -78,40 +88,34 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-class ConfigError(ValueError):
-    """A bad key or value in the run configuration."""
+
+# The version of the run-key scheme and of the defaults it assumes: bump it when a changed default
+# changes what existing runs compute (their keys then change, and a sweep redoes them).
+SCHEMA_VERSION = 2
+# Keys that do not change what a run computes: where it lives, whether it resumes, threads, logging
+# (log.*), where the converted model is cached and where the data files sit.
+NOT_IDENTITY = ("out_dir", "resume", "threads", "log", "model.cache_dir", "task.data_dir")
+# Keys that may differ between a run and its resumption.
+RESUMABLE_CHANGES = {"resume", "train.steps", "log.progress", "log.tensorboard", "threads", "guard.max_consecutive_skips"}
 
 
-def schema() -> DictConfig:
-    """The structured config: RunConfig plus one section per registered method."""
+def schema(method: Optional[str] = None) -> DictConfig:
+    """The structured config: RunConfig plus the section of ``method`` (with ``method`` set); ``None``:
+    a section per registered method (what a YAML or a command line is checked against). An
+    unregistered ``method`` gets no section."""
     base = OmegaConf.structured(RunConfig)
     OmegaConf.set_struct(base, False)
-    for name, method in sorted(METHODS.items()):
-        base[name] = OmegaConf.structured(method.config_cls)
+    for name in sorted(METHODS) if method is None else [method] if method in METHODS else []:
+        base[name] = OmegaConf.structured(METHODS[name].config_cls)
+    if method is not None:
+        base.method = method
     OmegaConf.set_struct(base, True)
     return base
 
 
-def _all_keys(cfg, prefix="") -> list[str]:
-    keys = []
-    for k, v in cfg.items():
-        keys.append(prefix + str(k))
-        if isinstance(v, DictConfig):
-            keys += _all_keys(v, prefix + str(k) + ".")
-    return keys
-
-
-def _merge(base: DictConfig, other, source: str) -> DictConfig:
-    try:
-        return OmegaConf.merge(base, other)
-    except ConfigKeyError as e:
-        key = e.full_key or getattr(e, "key", "?")
-        close = difflib.get_close_matches(str(key), _all_keys(base), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"unknown config key {key!r} in {source}{hint}") from None
-    except OmegaConfBaseException as e:
-        msg = str(e).splitlines()[0]
-        raise ConfigError(f"bad value for {e.full_key!r} in {source}: {msg}") from None
+def _own_sections(data: dict, method: str) -> dict:
+    """``data`` without the sections of registered methods other than ``method``."""
+    return {k: v for k, v in data.items() if not (k in METHODS and k != method)}
 
 
 def _yaml(name: str) -> tuple[DictConfig, str]:
@@ -124,19 +128,20 @@ def _yaml(name: str) -> tuple[DictConfig, str]:
 
 
 def build_config(overrides: Sequence[str] = (), base_yaml: Optional[str] = "default") -> DictConfig:
-    """Merge defaults, YAML and ``key=value`` overrides into a read-only DictConfig."""
+    """Merge defaults, YAML and ``key=value`` overrides into a read-only DictConfig holding the
+    selected method's section only."""
     overrides = list(overrides)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"expected key=value, got {item!r}")
-    cfg = schema()
+    cfg = schema()  # every method's section: each key is checked against its dataclass
     if base_yaml:
         loaded, path = _yaml(base_yaml)
-        cfg = _merge(cfg, loaded, source=path)
+        cfg = merge(cfg, loaded, source=path)
     user = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "config"]
     for name in user:
         loaded, path = _yaml(name)
-        cfg = _merge(cfg, loaded, source=path)
+        cfg = merge(cfg, loaded, source=path)
     dotlist = []
     for item in overrides:
         key, value = item.split("=", 1)
@@ -147,9 +152,11 @@ def build_config(overrides: Sequence[str] = (), base_yaml: Optional[str] = "defa
         cli = OmegaConf.from_dotlist(dotlist)
     except OmegaConfBaseException as e:
         raise ConfigError(f"cannot parse command line overrides: {e}") from None
-    cfg = _merge(cfg, cli, source="the command line")
+    cfg = merge(cfg, cli, source="the command line")
     if cfg.method not in METHODS:
         raise ConfigError(f"unknown method {cfg.method!r}; registered: {sorted(METHODS)}")
+    own = _own_sections(OmegaConf.to_container(cfg, resolve=True), cfg.method)
+    cfg = merge(schema(cfg.method), own, source="the merged config")
     if cfg.step_control.enabled and not METHODS[cfg.method].supports_step_control:
         raise ConfigError(f"step_control.enabled=true: method {cfg.method!r} applies its update inside backward, "
                           "so there is no update to scale before it lands")
@@ -161,16 +168,9 @@ def build_config(overrides: Sequence[str] = (), base_yaml: Optional[str] = "defa
     return cfg
 
 
-def _field_comments(cls) -> dict[str, str]:
-    """``{field: its trailing # comment}`` from a config dataclass's source."""
-    import inspect
-    import re
-
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    return dict(re.findall(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$", source, flags=re.M))
+def run_keys() -> list[str]:
+    """Every key a run config accepts (every method's section), shorthands and ``config`` included."""
+    return sorted(set(known_keys(schema())) | set(SHORTHANDS) | {"config"})
 
 
 def describe() -> str:
@@ -180,7 +180,7 @@ def describe() -> str:
     cfg = schema()
     lines = []
     for prefix, cls in sections.items():
-        notes = _field_comments(cls)
+        notes = field_comments(cls)
         for f in fields(cls):
             key = f"{prefix}.{f.name}" if prefix else f.name
             if key in nested:
@@ -192,3 +192,50 @@ def describe() -> str:
 
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+# ---- run identity ------------------------------------------------------------------------------
+def _flat_run(cfg: DictConfig | dict) -> dict[str, Any]:
+    """The flattened config with its own method's section only (a config saved before run configs held
+    one section holds every method's: the others are ignored)."""
+    data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    return flatten(_own_sections(data, data.get("method", RunConfig.method)))
+
+
+def _is_identity(key: str) -> bool:
+    return not any(key == x or key.startswith(x + ".") for x in NOT_IDENTITY)
+
+
+def identity(cfg: DictConfig | dict) -> dict[str, Any]:
+    """Every key of the resolved config that says what a run computes: all but :data:`NOT_IDENTITY`."""
+    return {k: v for k, v in _flat_run(cfg).items() if _is_identity(k)}
+
+
+_MISSING = object()
+
+
+def non_defaults(cfg: DictConfig | dict) -> dict[str, Any]:
+    """The keys of :func:`identity` whose values differ from the dataclass defaults of the run's method
+    (``method`` itself included when it is not the default; a key the schema lacks counts as set)."""
+    flat = identity(cfg)
+    default = flatten(schema(flat.get("method", RunConfig.method)))
+    default["method"] = RunConfig.method
+    return {k: v for k, v in flat.items() if default.get(k, _MISSING) != v}
+
+
+def run_key(cfg: DictConfig | dict) -> str:
+    """hash8 of a run: SHA-256 over :data:`SCHEMA_VERSION` and :func:`non_defaults`. Equal configs share a
+    key however they were spelled (YAML, override, shorthand, a default spelled out); any change of a
+    value that matters gives another."""
+    return stable_hash({"schema": SCHEMA_VERSION, "values": non_defaults(cfg)})
+
+
+def config_diff(saved: DictConfig | dict, cfg: DictConfig | dict) -> set[str]:
+    """Keys whose values differ between a saved run config and ``cfg``, minus :data:`RESUMABLE_CHANGES`.
+
+    A key one side lacks counts as its default (a key added to the code since the run started is no
+    change while it holds its default); other methods' sections of an older saved config are ignored."""
+    old, new = _flat_run(saved), _flat_run(cfg)
+    default = flatten(schema(new.get("method", RunConfig.method)))
+    return {k for k in old.keys() | new.keys()
+            if old.get(k, default.get(k, _MISSING)) != new.get(k, default.get(k, _MISSING))} - RESUMABLE_CHANGES

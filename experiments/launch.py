@@ -10,8 +10,10 @@ Examples:
 Arguments: ``sweep=`` (required), ``launcher=<name>``, ``launcher.<key>=<value>`` (max_parallel,
 partition, account, gpus_per_node, cpus_per_task, nodes, timeout_min, mem_gb, wait, ...),
 ``root=<dir>`` (default runs/<sweep name>, git-ignored; ``python -m experiments.publish`` copies a
-finished root into results/<sweep name>), ``--dry-run``; any other ``key=value`` is a run config
-override applied to every run (it changes the runs' hashes, hence their directories).
+finished root into results/<sweep name>), ``--dry-run``, ``--memory`` (the planner's prediction in the
+dry run); any other ``key=value`` is a run-config key (``python -m experiments.train --help``), an
+override applied to every run (it changes the runs' keys, hence their directories). A sweep's
+``grid``/``ablations`` pick a method with overrides as run-config keys: ``{method: logra, logra.rank: 32}``.
 
 Runs already marked complete (``done.json``) are skipped; the others run (or resume from their
 checkpoints). A failing run is reported with its log path and the others go on; the exit code is 1
@@ -23,37 +25,30 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Dict, Optional
 
-import yaml
+from experiments.common.cli import parse as parse_cli
+from experiments.common.config import ConfigError
 
-from experiments.config import ConfigError
+
+@dataclass
+class LaunchArgs:
+    sweep: str = ""  # a sweep YAML: a path or a name in experiments/sweeps/ (required)
+    root: Optional[str] = None  # the results root; default: the sweep's root, else results/<sweep name>
+    launcher: Dict[str, Any] = field(default_factory=dict)  # launcher=<debug|local|slurm> and launcher.<key>=<value> (over the sweep's launcher section)
 
 
 def parse(argv: list[str]) -> dict:
-    out = {"sweep": None, "root": None, "dry_run": False, "launcher": {}, "extra": [], "show_memory": None}
-    for arg in argv:
-        if arg in ("--dry-run", "-n"):
-            out["dry_run"] = True
-        elif arg == "--memory":
-            out["show_memory"] = True
-        elif "=" not in arg:
-            raise ConfigError(f"expected key=value or --dry-run, got {arg!r}")
-        else:
-            key, value = arg.split("=", 1)
-            if key == "sweep":
-                out["sweep"] = value
-            elif key == "root":
-                out["root"] = value
-            elif key == "launcher":
-                out["launcher"]["name"] = value
-            elif key.startswith("launcher."):
-                out["launcher"][key.split(".", 1)[1]] = yaml.safe_load(value)
-            else:
-                out["extra"].append(arg)
-    if not out["sweep"]:
+    from experiments.config import run_keys
+
+    args, extra, flags = parse_cli(LaunchArgs, argv, doc=__doc__, run_keys=run_keys, flags=("--dry-run", "-n", "--memory"),
+                                   shorthands={"launcher": "launcher.name"})
+    if not args.sweep:
         raise ConfigError("sweep=<yaml or name> is required (e.g. sweep=quick)")
-    return out
+    return {"sweep": args.sweep, "root": args.root, "dry_run": bool({"--dry-run", "-n"} & flags),
+            "launcher": dict(args.launcher), "extra": extra, "show_memory": True if "--memory" in flags else None}
 
 
 def run_after(sweep, dry_run: bool) -> bool:
@@ -81,9 +76,6 @@ def run_after(sweep, dry_run: bool) -> bool:
 
 def main(argv: list[str] | None = None, train_fn=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
     try:
         args = parse(argv)
         from experiments.launcher.executors import check_launcher, launch

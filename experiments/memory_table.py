@@ -1,8 +1,8 @@
 """Memory of one GRPO training step per method, each in a fresh process, by category.
 
     python -m experiments.memory_table [out=results/memory_table] [methods=dense,galore,galore_layerwise,lora,logra]
-        [model=smollm2-135m-instruct] [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [trace=0] [pad=0]
-        [run-config key=value ...]
+        [model=smollm2-135m-instruct] [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [trace=false] [pad=0]
+        [run-config key=value ...]        (--help lists the keys)
 
 Every method trains on the same fixed rollout batch (``experiments.memory.step_bench.fixed_rollouts``:
 arith prompts, seeded random completions, fixed advantages) through the trainer's own code
@@ -10,9 +10,9 @@ arith prompts, seeded random completions, fixed advantages) through the trainer'
 exists. Inside the child the tensor-accounting profiler (``experiments.memory.profiler``) records the
 peak of live tensor bytes, the phase it happened in, and its split into params / grads / optimizer
 state (moments, sketches, projectors, masters) / activations+other; the process's peak RSS is
-reported beside it. A method name may carry overrides after a colon, space-separated; a key
-without a dot belongs to the method's own section: ``methods="dense:precision=mixed,dense:precision=bf16,
-logra:master=stochastic embeddings=true"`` (= ``logra.master=stochastic logra.embeddings=true``). ``trace=1`` also writes ``<out>/trace_<method>.txt``:
+reported beside it. A method may carry its own run-config overrides after a colon, space-separated
+(``experiments.common.cli.parse_methods``): ``methods="dense:dense.precision=mixed,dense:dense.precision=bf16,
+logra:logra.master=stochastic logra.embeddings=true"``. ``trace=1`` also writes ``<out>/trace_<method>.txt``:
 every storage alive at the peak, grouped by the op that made it and its shape. ``pad=<n>``: every
 other prompt gets n more tokens and the rest are left-padded (every micro-batch has a padding mask).
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import asdict, dataclass
 import os
 import subprocess
 import sys
@@ -35,10 +36,28 @@ from pathlib import Path
 
 import torch
 
+from experiments.common.cli import fail, parse, parse_methods
+from experiments.common.config import ConfigError
+from experiments.common.provenance import git_sha
+
 COLUMNS = ["method", "model", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
            "peak_rss_bytes", "planner_bytes", "planner_ratio", "planner_peak_at", "peak_phase", "seq_len", "git_sha"]
-KEYS = {"out": "results/memory_table", "methods": "dense,galore,galore_layerwise,lora,logra",
-        "model": "smollm2-135m-instruct", "seqs": "8", "micro_batch": "4", "completion_len": "128", "steps": "2", "trace": "0", "pad": "0"}
+
+
+@dataclass
+class MemoryTableArgs:
+    out: str = "results/memory_table"  # output folder: memory.csv, memory.json, memory.png/.pdf
+    methods: str = "dense,galore,galore_layerwise,lora,logra"  # methods, each with optional overrides: logra:logra.embeddings=true
+    model: str = "smollm2-135m-instruct"  # model.name of every run
+    seqs: int = 8  # sequences in the fixed rollout batch
+    micro_batch: int = 4  # sequences per forward/backward
+    completion_len: int = 128  # completion tokens per sequence
+    steps: int = 2  # updates per method (the second has optimizer state)
+    trace: bool = False  # also write trace_<method>.txt: every storage alive at the peak
+    pad: int = 0  # n > 0: every other prompt n tokens longer, the rest left-padded (a padding mask)
+
+
+KEYS = {k: str(v) for k, v in asdict(MemoryTableArgs()).items()}  # the settings as the child reads them
 
 
 def child(spec: str, args: dict) -> dict:
@@ -52,17 +71,17 @@ def child(spec: str, args: dict) -> dict:
     from experiments.rl.metrics import peak_rss_bytes
     from experiments.rl.trainer import GRPOTrainer
 
-    method, _, extra = spec.partition(":")
-    extra = [e if "." in e.partition("=")[0] else f"{method}.{e}" for e in extra.split() if e]  # precision=... -> dense.precision=...
+    entry = parse_methods(spec)[0]
+    method = entry.method
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = build_config([f"method={method}", f"model={args['model']}", f"out_dir={tmp}/run", "log.progress=false",
-                            "eval.every=0", *args["overrides"], *extra])
+        cfg = build_config([f"model={args['model']}", f"out_dir={tmp}/run", "log.progress=false",
+                            "eval.every=0", *args["overrides"], *entry.run_overrides()])
         trainer = GRPOTrainer(cfg)
         seqs, mb = int(args["seqs"]), int(args["micro_batch"])
         rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(args["completion_len"]), pad=int(args.get("pad", 0)))
         advantages, rows = torch.linspace(-1.0, 1.0, seqs), torch.arange(seqs)
         prof = MemoryProfiler(trainer.model, lambda: optimizer_tensors(trainer.method, trainer.model),
-                              trace=args["trace"] not in ("0", "false", ""))
+                              trace=str(args["trace"]).lower() not in ("0", "false", ""))
         with prof:
             for _ in range(int(args["steps"])):
                 trainer.method.zero_grad()
@@ -130,32 +149,24 @@ def figure(rows: list[dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        return 0
     child_spec = argv.pop(1) if argv and argv[0] == "--child" else None
     if child_spec is not None:
         argv.pop(0)
-    args, overrides = dict(KEYS), []
-    for a in argv:
-        key, eq, value = a.partition("=")
-        if not eq:
-            raise SystemExit(f"expected key=value, got {a!r} (see --help)")
-        if key in KEYS:
-            args[key] = value
-        else:
-            overrides.append(a)  # a run-config override for every method (checked by build_config)
-    args["overrides"] = overrides
+    from baselines import METHODS
+    from experiments.config import run_keys
+
+    try:
+        parsed, overrides, _ = parse(MemoryTableArgs, argv, doc=__doc__, run_keys=run_keys)
+        specs = parse_methods(parsed.methods, known=METHODS)
+    except ConfigError as e:
+        if "unknown method" in str(e):
+            raise SystemExit(str(e)) from None
+        return fail(e, "experiments.memory_table")
+    args = {**{k: str(v) for k, v in asdict(parsed).items()}, "overrides": overrides}
     if child_spec is not None:
         print("RESULT " + json.dumps(child(child_spec, args)))
         return 0
-    from baselines import METHODS
-    from experiments.rl.trainer import git_sha
-
-    specs = [m.strip() for m in args["methods"].split(",") if m.strip()]
-    for s in specs:
-        if s.partition(":")[0] not in METHODS:
-            raise SystemExit(f"unknown method {s.partition(':')[0]!r}; known: {', '.join(sorted(METHODS))}")
+    specs = [s.label for s in specs]
     from tqdm import tqdm
 
     rows, sha = [], git_sha()

@@ -1,58 +1,67 @@
-"""Does it fit? ``python -m experiments.plan model=<preset|HF name|config.json> method=<...> [gpus=8]
-[gpu_mem_gb=80] [micro_batch=1] [seq_len=1024] [rank=256] [sharding=none|fsdp|zero2|zero3]
-[rollout=colocated|none|<share>] [dtype=bf16] [completion_len=...] [micro_batches=2] [logprob_chunk=256]
-[gradient_checkpointing=true] [master_weights=true|false] [embeddings=false] [padded=true] [attention=sdpa|eager]
-[rollout_share=0.3] [other_gb=1.0]``
+"""Does it fit? ``python -m experiments.plan model=<preset|HF name|config.json> methods=<name,...> [key=value ...]``
 
 Prints the predicted per-GPU bytes by category, where the peak is (and the other candidate peaks),
 every term alive there with its assumption, and the verdict (experiments/memory/planner.py).
-``method=dense,logra`` plans several methods; ``--list`` shows the presets.
+``methods=dense,logra`` plans several methods side by side; ``--list`` shows the presets.
+
+Example:
+    python -m experiments.plan model=gemma-2-27b methods=dense,logra gpus=8 gpu_mem_gb=80 micro_batch=4 \\
+        seq_len=1536 completion_len=1024 micro_batches=16 rank=256 sharding=fsdp
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Optional
 
+from experiments.common.cli import fail, parse, parse_methods
+from experiments.common.config import ConfigError
 from experiments.memory.planner import plan, presets
 
-INTS = {"gpus", "micro_batch", "seq_len", "rank", "logprob_chunk", "completion_len", "micro_batches"}
-FLOATS = {"gpu_mem_gb", "rollout_share", "other_gb"}
-BOOLS = {"gradient_checkpointing", "master_weights", "embeddings", "padded"}
 
-
-def parse(argv: list[str]) -> dict:
-    args = {}
-    for a in argv:
-        key, eq, value = a.partition("=")
-        if not eq:
-            raise SystemExit(f"expected key=value, got {a!r} (see --help)")
-        if key in INTS:
-            args[key] = int(value)
-        elif key in FLOATS:
-            args[key] = float(value)
-        elif key in BOOLS:
-            if value.lower() not in ("true", "false"):
-                raise SystemExit(f"{key} must be true or false, got {value!r}")
-            args[key] = value.lower() == "true"
-        else:
-            args[key] = value
-    return args
+@dataclass
+class PlanArgs:
+    model: str = ""  # a planner preset (--list), an HF hub name or a config.json path (required)
+    methods: str = "dense,logra"  # the methods to plan, comma-separated (the planner's knobs are the keys below)
+    gpus: int = 1  # GPUs the run is sharded / replicated over
+    gpu_mem_gb: float = 80.0  # memory of one GPU, GB
+    micro_batch: int = 1  # sequences per forward/backward
+    seq_len: int = 1024  # prompt + completion tokens of a sequence (padded)
+    rank: int = 256  # LoGRA sketch rank, GaLore rank, or LoRA r
+    sharding: str = "none"  # none | fsdp | zero2 | zero3
+    rollout: str = "colocated"  # colocated (a vLLM engine shares the GPU) | none | a share of the GPU
+    dtype: str = "bf16"  # bf16 | fp16 | fp32 parameters
+    completion_len: Optional[int] = None  # tokens per sequence through the LM head; default: seq_len
+    micro_batches: Optional[int] = None  # micro-batches per update; default 2 (earlier gradients alive in the last backward)
+    logprob_chunk: Optional[int] = None  # the harness' train.logprob_chunk; default 256; 0 = full logits
+    gradient_checkpointing: Optional[bool] = None  # activation checkpointing; default true
+    master_weights: Optional[bool] = None  # fp32 master + moments for bf16/fp16; default true (false: the harness' plain AdamW)
+    embeddings: Optional[bool] = None  # logra sketches the embedding and a tied head; default false
+    padded: Optional[bool] = None  # prompts of different lengths (a padding mask); default true
+    attention: Optional[str] = None  # sdpa | eager; default eager for Gemma-2, else sdpa
+    rollout_share: Optional[float] = None  # fraction of the GPU a colocated vLLM engine reserves; default 0.3
+    other_gb: Optional[float] = None  # CUDA context and allocator slack, GB; default 1.0
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        return 0
-    if "--list" in argv:
-        print("\n".join(presets()))
-        return 0
-    args = parse(argv)
-    if "model" not in args or "method" not in args:
-        raise SystemExit("model=... and method=... are required (see --help)")
-    model, methods = args.pop("model"), args.pop("method").split(",")
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        plans = [plan(model, m, **args) for m in methods]
+        args, _, flags = parse(PlanArgs, argv, doc=__doc__, flags=("--list",))
+        if "--list" in flags:
+            print("\n".join(presets()))
+            return 0
+        if not args.model:
+            raise ConfigError("model=... is required (a preset, --list shows them)")
+        specs = parse_methods(args.methods)
+        if any(s.overrides for s in specs):
+            raise ConfigError("plan takes the planner's knobs as its own keys (rank=, embeddings=, ...), "
+                              "not as run-config overrides after the method name")
+    except ConfigError as e:
+        return fail(e, "experiments.plan")
+    kwargs = {k: v for k, v in vars(args).items() if v is not None and k not in ("model", "methods")}
+    try:
+        plans = [plan(args.model, s.method, **kwargs) for s in specs]
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     print("\n\n".join(p.table() for p in plans))

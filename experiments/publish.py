@@ -27,7 +27,9 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Dict, Optional
 
 from experiments.config import ConfigError
 from experiments.launcher.sweep import load_sweep
@@ -148,29 +150,28 @@ def publish(sweep_name: str, root: str | None = None, to: str | None = None, ext
     return dest
 
 
+@dataclass
+class PublishArgs:
+    sweep: str = ""  # the sweep (a name in experiments/sweeps/ or a path) whose runs are published (required)
+    root: Optional[str] = None  # where the runs are; default runs/<sweep name>
+    to: Optional[str] = None  # the destination; default results/<sweep name>
+    launcher: Dict[str, Any] = field(default_factory=dict)  # accepted and ignored: where runs were launched does not name them
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    opts = {"sweep": None, "root": None, "to": None}
-    partial, extra = False, []
-    for arg in argv:
-        if arg == "--partial":
-            partial = True
-        elif "=" not in arg:
-            print(f"publish error: expected key=value or --partial, got {arg!r}\n{USAGE}", file=sys.stderr)
-            return 2
-        elif arg.split("=", 1)[0] in opts:
-            key, value = arg.split("=", 1)
-            opts[key] = value
-        elif not arg.startswith("launcher"):  # where runs were launched does not name them
-            extra.append(arg)
-    if not opts["sweep"]:
-        print(f"publish error: sweep=<name> is required\n{USAGE}", file=sys.stderr)
-        return 2
+    from experiments.common.cli import fail, parse
+    from experiments.config import run_keys
+
     try:
-        publish(opts["sweep"], opts["root"], opts["to"], tuple(extra), partial)
+        args, extra, flags = parse(PublishArgs, argv, doc=__doc__, run_keys=run_keys, flags=("--partial",),
+                                   shorthands={"launcher": "launcher.name"})
+        if not args.sweep:
+            raise ConfigError("sweep=<name> is required")
+    except ConfigError as e:
+        return fail(e, "experiments.publish")
+    try:
+        publish(args.sweep, args.root, args.to, tuple(extra), "--partial" in flags)
     except (PublishError, ConfigError) as e:
         print(f"publish refused: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ optimizes all of its trainable parameters; ``zero_grad`` clears the sketches.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -42,6 +43,29 @@ from logra_core.update import Update
 
 PROJECTIONS = ("rademacher", "gaussian", "svd")
 DENSE_PRECISIONS = ("mixed", "bf16")  # AdamW of the unsketched tensors of a bf16/fp16 model
+
+
+@dataclass
+class PendingLowRank:
+    """A sketched weight's proposed step, kept by :meth:`LoGRA.propose` for :meth:`LoGRA.apply`:
+    W ← (1 − s·decay)·W + s·alpha·left·right (``decay_first``: decay before the low-rank add)."""
+
+    param: torch.Tensor
+    left: torch.Tensor  # D, m × r
+    right: torch.Tensor  # A, r × n (rebuilt from its seed where it is a random projection)
+    alpha: float  # −η, folded into D at apply time
+    decay: float  # lr · weight decay
+    decay_first: bool
+
+
+@dataclass
+class PendingDense:
+    """An unsketched tensor's proposed AdamW step: θ ← (1 − s·decay)·θ + s·alpha·direction."""
+
+    param: torch.Tensor
+    direction: torch.Tensor  # m / (√v̂ + ε), the first moment without its bias correction
+    alpha: float  # −η / (1 − β₁ᵗ)
+    decay: float  # lr · weight decay
 
 
 class LoGRA(torch.optim.Optimizer):
@@ -143,7 +167,7 @@ class LoGRA(torch.optim.Optimizer):
                     if found is None:
                         continue
                     left, right, alpha, decay, decay_first = found
-                    update.pending.append(("lowrank", p, found))
+                    update.pending.append(PendingLowRank(p, *found))
                     update.lowrank[self.module_name[id(p)]] = (left * alpha, right)
                     if decay:
                         update.dense[self.param_name[id(p)]] = p.detach().float() * -decay
@@ -151,7 +175,7 @@ class LoGRA(torch.optim.Optimizer):
                 for p in group["params"]:
                     if p.grad is not None:
                         direction, alpha, decay = self._adamw_update(p, group)
-                        update.pending.append(("dense", p, (direction, alpha, decay)))
+                        update.pending.append(PendingDense(p, direction, alpha, decay))
                         value = self.state[p].get("master", p.detach())
                         update.dense[self.param_name[id(p)]] = direction * alpha - value * decay
         return update
@@ -164,9 +188,10 @@ class LoGRA(torch.optim.Optimizer):
         -> the :class:`LowRankOp` applied) and ``last_changed`` (names of the other tensors it moved).
         """
         self.last_lowrank, self.last_changed = {}, []
-        for kind, p, found in update.pending:
-            if kind == "dense":
-                direction, alpha, decay = found
+        for item in update.pending:
+            p = item.param
+            if isinstance(item, PendingDense):
+                direction, alpha, decay = item.direction, item.alpha, item.decay
                 target = self.state[p].get("master", p)  # mixed precision: the fp32 master
                 if decay:
                     target.mul_(1 - scale * decay)
@@ -175,7 +200,7 @@ class LoGRA(torch.optim.Optimizer):
                     p.copy_(target)
                 self.last_changed.append(self.param_name[id(p)])
                 continue
-            left, right, alpha, decay, decay_first = found
+            left, right, alpha, decay, decay_first = item.left, item.right, item.alpha, item.decay, item.decay_first
             weight, rows = local(p), local_rows(p)  # a row-sharded weight: this rank's rows
             spec = self._basis_spec(p, right)
             master = self.defaults["master"]

@@ -186,7 +186,7 @@ def test_allreduce_bench_tiny():
     """The benchmark's 2-process all-reduce moves exactly the bytes the shapes predict (it exits 1 if not)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-m", "experiments.memory.allreduce_bench", "model=tiny-llama", "rank=8",
-                           "repeats=1", "big_rank=0", "variants=logra logra.embeddings=true"], env=env, cwd=REPO,
+                           "repeats=1", "big_rank=0", "methods=logra:logra.embeddings=true"], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     line = next(l for l in done.stdout.splitlines() if l.startswith("method=logra"))

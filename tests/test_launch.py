@@ -110,14 +110,52 @@ def test_any_change_of_an_identity_key_changes_the_hash():
     cfg = build_config(["model=tiny-llama"])
     base = config_hash(cfg)
     keys = identity(cfg)
-    assert {"method", "seed", "train.steps", "model.name", "dense.lr", "logra.rank", "task.name", "eval.size"} <= set(keys)
-    assert not {"out_dir", "resume", "threads", "log.progress"} & set(keys)
+    assert {"method", "seed", "train.steps", "model.name", "dense.lr", "task.name", "eval.size"} <= set(keys)
+    assert not {"out_dir", "resume", "threads", "log.progress", "logra.rank"} & set(keys)  # only its own method's section
     for key, value in keys.items():
         changed = OmegaConf.create(OmegaConf.to_container(cfg))
         OmegaConf.update(changed, key, _changed(value))
         assert config_hash(changed) != base, key
     # and through the real config builder, a single override moves the run to a new directory
     assert config_hash(build_config(["model=tiny-llama", "train.steps=21"])) != base
+
+
+def test_changing_a_galore_default_keeps_dense_and_logra_run_keys(tmp_path, monkeypatch):
+    import dataclasses
+
+    from baselines import METHODS
+
+    path = write_sweep(tmp_path, {"base": {"model": {"name": "tiny-llama"}, "train.steps": 1, "logra": {"rank": 8}},
+                                  "grid": {"method": ["dense", "logra", "galore"], "seed": [0, 1]}})
+    before = {r.name: r.run_dir for r in load_sweep(path, root=str(tmp_path / "r")).runs()}
+    galore = METHODS["galore"].config_cls
+    changed = dataclasses.make_dataclass("ChangedGaLoreConfig", [("scale", float, dataclasses.field(default=0.5))],
+                                         bases=(galore,))
+    monkeypatch.setattr(METHODS["galore"], "config_cls", changed)
+    assert build_config(["method=galore"]).galore.scale == 0.5  # the default did change
+    after = {r.name: r.run_dir for r in load_sweep(path, root=str(tmp_path / "r")).runs()}
+    assert {k: v for k, v in after.items() if not k.startswith("galore")} == \
+        {k: v for k, v in before.items() if not k.startswith("galore")}
+    assert len(before) == 6
+    # a run that set the changed key itself moves (its value now differs from the default)
+    set_scale = ["method=galore", "galore.scale=0.25"]
+    monkeypatch.setattr(METHODS["galore"], "config_cls", galore)
+    key = config_hash(build_config(set_scale))
+    monkeypatch.setattr(METHODS["galore"], "config_cls", changed)
+    assert config_hash(build_config(set_scale)) != key
+
+
+def test_a_run_config_holds_its_own_method_section_only():
+    cfg = build_config(["method=logra", "logra.rank=8", "dense.lr=3e-5", "galore.scale=0.5"])
+    assert "logra" in cfg and not {"dense", "galore", "galore_layerwise", "lora"} & set(cfg)
+    with pytest.raises(ConfigError, match="did you mean 'galore.scale'"):  # other sections are still checked
+        build_config(["method=logra", "galore.scal=0.5"])
+    # a config saved when run configs held every method's section has the same key and no diff
+    from experiments.config import config_diff, schema
+
+    old = OmegaConf.merge(schema(), OmegaConf.to_container(cfg))
+    assert {"dense", "galore"} <= set(old) and config_hash(old) == config_hash(cfg)
+    assert config_diff(old, cfg) == set() and config_diff(old, build_config(["method=logra"])) == {"logra.rank"}
 
 
 def test_sweep_run_dirs_are_stable_and_move_with_the_config(tmp_path):
@@ -341,3 +379,22 @@ def test_a_resumed_run_keeps_its_saved_values_of_keys_outside_the_hash(tmp_path)
     keep = resume_overrides(run.run_dir, TrainJob(run.overrides, run.run_dir).args())
     assert sorted(keep) == ['log.samples=5', 'task.data_dir="/old/data"']
     assert build_config(run.overrides + keep).log.samples == 5
+
+
+def test_migrate_renames_old_keyed_run_dirs_so_the_sweep_skips_them(tmp_path):
+    from experiments.config import schema, to_yaml
+    from experiments.launcher.migrate import migrate
+
+    sweep = small_sweep(tmp_path, seeds=(0,))
+    run = load_sweep(sweep).runs()[0]
+    old_dir = run.run_dir.with_name(run.name + "-0123abcd")  # keyed by the earlier scheme
+    old_dir.mkdir(parents=True)
+    saved = OmegaConf.merge(schema(), OmegaConf.to_container(run.cfg))  # every method's section, as saved then
+    OmegaConf.update(saved, "out_dir", str(old_dir))
+    (old_dir / "config.yaml").write_text(to_yaml(saved))
+    (old_dir / DONE).write_text(json.dumps({"run_dir": str(old_dir)}))
+    assert not load_sweep(sweep).runs()[0].done
+    assert migrate(tmp_path / "root") == [(old_dir, run.run_dir)]
+    assert load_sweep(sweep).runs()[0].done and not old_dir.exists()
+    assert OmegaConf.load(run.run_dir / "config.yaml").out_dir == str(run.run_dir)
+    assert migrate(tmp_path / "root") == []  # idempotent

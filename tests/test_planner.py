@@ -52,11 +52,11 @@ def test_clear_errors(kwargs, msg):
 
 
 def test_cli_smoke(capsys):
-    assert main(["model=qwen2.5-0.5b", "method=dense,logra", "gpus=1", "gpu_mem_gb=80", "sharding=none"]) == 0
+    assert main(["model=qwen2.5-0.5b", "methods=dense,logra", "gpus=1", "gpu_mem_gb=80", "sharding=none"]) == 0
     out = capsys.readouterr().out
     assert out.count("assumptions:") == 2 and "fits" in out
     with pytest.raises(SystemExit, match="unknown sharding"):
-        main(["model=qwen2.5-0.5b", "method=dense", "sharding=bad"])
+        main(["model=qwen2.5-0.5b", "methods=dense", "sharding=bad"])
 
 
 # ---- the planner against the profiler: one GRPO step per method on tiny-llama --------------------------

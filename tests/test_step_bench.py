@@ -14,7 +14,7 @@ def test_step_bench_on_tiny_llama(tmp_path, capsys):
     main(["model=tiny-llama", "logra.rank=8", "completion_len=8", "seqs=4", "micro_batch=2", "steps=1", f"out={out}"])
     record = json.loads(out.read_text())
     variants = [r["variant"] for r in record["results"]]
-    assert variants == ["dense", "logra", "logra logra.embeddings=true"]
+    assert variants == ["dense", "logra", "logra:logra.embeddings=true"]
     assert all(r["peak_bytes"] >= r["rss_after_load_bytes"] > 0 for r in record["results"])
     assert record["results"][0]["ratio_to_first"] == 1.0 and record["git_sha"]
     assert "peak / dense" in capsys.readouterr().out

@@ -24,7 +24,9 @@ from typing import Callable, Optional, Union
 
 import submitit
 
-from experiments.launcher.sweep import DONE, NOT_IDENTITY, flatten
+from experiments.common.config import flatten
+from experiments.config import NOT_IDENTITY
+from experiments.launcher.sweep import DONE
 
 PREEMPTED_EXIT = 143  # python -m experiments.train after Preempted (128 + SIGTERM)
 

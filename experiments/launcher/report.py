@@ -10,7 +10,8 @@ from typing import Optional
 
 from experiments.launcher.executors import Outcome, render_sbatch
 from experiments.launcher.jobs import torchrun_command
-from experiments.launcher.sweep import Run, Sweep, dotlist_value, flatten
+from experiments.common.config import flatten
+from experiments.launcher.sweep import Run, Sweep, dotlist_value
 
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 

@@ -17,18 +17,19 @@ A sweep YAML (``experiments/sweeps/*.yaml``; the first comment line is the comma
     after:                         # commands run after the runs (skipped when `creates` exists)
       - {name: memory table, module: experiments.memory_table, args: ["out={root}/memory"], creates: "{root}/memory/memory.csv"}
 
-Each run's directory is ``<root>/runs/<readable name>-<hash8>``, where hash8 is the first 8 hex
-digits of the SHA-256 of the resolved config (every key, defaults included) minus the keys in
-:data:`NOT_IDENTITY`: keys that say where things live or how they are shown, not what is computed.
-Equal configs share a directory however they were spelled (YAML, override, shorthand, key order);
-any change to a key that matters gives a new one. A run is complete when ``done.json`` exists.
+Each run's directory is ``<root>/runs/<readable name>-<hash8>``, where hash8 is the run key
+(``experiments.config.run_key``): the first 8 hex digits of the SHA-256 of the config's schema
+version and the values that differ from the defaults, minus the keys in :data:`NOT_IDENTITY` (keys
+that say where things live or how they are shown, not what is computed). Equal configs share a
+directory however they were spelled (YAML, override, shorthand, key order, a default spelled out);
+any change to a key that matters gives a new one; adding a key or changing another method's default
+keeps it. A run is complete when ``done.json`` exists. Directories keyed by the earlier scheme (a
+hash of every resolved key) are renamed by ``python -m experiments.launcher.migrate <root>``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,13 +38,13 @@ from typing import Any, Optional
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import ConfigError, build_config
+from experiments.common.config import ConfigError, flatten
+from experiments.config import NOT_IDENTITY, build_config, identity, run_key
+
+__all__ = ["DONE", "NOT_IDENTITY", "Run", "Sweep", "config_hash", "dotlist_value", "flatten", "identity", "load_sweep"]
 
 SWEEP_DIR = Path(__file__).resolve().parents[1] / "sweeps"
 SWEEP_KEYS = {"name", "config", "root", "base", "grid", "ablations", "launcher", "planner", "after"}
-# Keys that do not change what a run computes: where it lives, whether it resumes, threads, logging
-# (log.*), where the converted model is cached and where the data files sit.
-NOT_IDENTITY = ("out_dir", "resume", "threads", "log", "model.cache_dir", "task.data_dir")
 DONE = "done.json"
 # Where a sweep trains unless told otherwise: runs/<sweep name> (git-ignored). The committed
 # results/<profile>/ is a reference, written only by ``python -m experiments.publish``.
@@ -52,34 +53,13 @@ RUNS_DIR = "runs"
 NAME_ORDER = ["method", "model", "model.name", "task", "task.name"]
 
 
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}, "c.d": 2}`` -> ``{"a.b": 1, "c.d": 2}``."""
-    out = {}
-    for k, v in (d or {}).items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def dotlist_value(value: Any) -> str:
     """A value as the YAML scalar/flow text that ``key=<text>`` parses back to the same value."""
     text = yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip()
     return text[: -len("...")].strip() if text.endswith("...") else text
 
 
-def identity(cfg: DictConfig) -> dict:
-    """The resolved config minus :data:`NOT_IDENTITY` (what a run's hash is computed from)."""
-    flat = flatten(OmegaConf.to_container(cfg, resolve=True))
-    return {k: v for k, v in flat.items() if not any(k == x or k.startswith(x + ".") for x in NOT_IDENTITY)}
-
-
-def config_hash(cfg: DictConfig) -> str:
-    """First 8 hex digits of SHA-256 over the canonical JSON of :func:`identity`."""
-    text = json.dumps(identity(cfg), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
+config_hash = run_key  # a run's hash8: schema version + non-default values (experiments.config)
 
 
 def _slug(value: Any) -> str:
@@ -100,7 +80,7 @@ class Run:
     name: str  # readable: the ablation (or method), task, seed and the other grid values
     overrides: list[str]  # key=value, without out_dir / resume
     cfg: DictConfig  # resolved, with out_dir
-    key: str  # hash8 of the resolved config
+    key: str  # hash8: the run key of the resolved config
     run_dir: Path
     ablation: Optional[str] = None
     settings: dict = field(default_factory=dict)  # what sets this run apart: ablation settings + grid values

@@ -1,7 +1,7 @@
 """Data-parallel gradient traffic: bytes LoGRA all-reduces per step against dense AdamW's (DESIGN §6).
 
-    python -m experiments.memory.allreduce_bench [rank=64] [variants="logra;logra logra.embeddings=true"]
-        [tokens=64] [repeats=3] [model=smollm2-135m-instruct] [big_rank=256 (0: skip the big configs)]
+    python -m experiments.memory.allreduce_bench [rank=64] [methods="logra,logra:logra.embeddings=true"]
+        [tokens=64] [repeats=3] [model=smollm2-135m-instruct] [big_rank=256 (0: skip the big configs)]   (--help: the keys)
 
 1. Two gloo processes on this machine each load the model, run one real forward/backward on their
    own random tokens, and call ``Method.reduce_gradients`` — the very reduction the trainer runs once
@@ -22,13 +22,25 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-BENCH_KEYS = {"rank": "64", "variants": "logra;logra logra.embeddings=true", "tokens": "64", "repeats": "3",
-              "model": "smollm2-135m-instruct", "big_rank": "256"}
+from experiments.common.cli import fail, parse, parse_methods
+from experiments.common.config import ConfigError
+from experiments.common.provenance import git_sha
+
+
+@dataclass
+class AllreduceBenchArgs:
+    rank: int = 64  # sketch rank of every method entry (<method>.rank)
+    methods: str = "logra,logra:logra.embeddings=true"  # compared with dense; each with optional overrides after ':'
+    tokens: int = 64  # random tokens per rank in the forward/backward
+    repeats: int = 3  # all-reduce calls timed per method (median printed)
+    model: str = "smollm2-135m-instruct"  # model.name
+    big_rank: int = 256  # rank of the from-shapes estimate for the 7B and 27B configs; 0 = skip them
 
 
 def _free_port() -> int:
@@ -76,24 +88,22 @@ def shape_fraction(config, rank: int, embeddings: bool) -> float:
 
 
 def main(argv: list[str]) -> int:
-    bench = dict(BENCH_KEYS)
-    for a in argv:
-        k, _, v = a.partition("=")
-        if k not in BENCH_KEYS:
-            print(f"unknown argument {a!r}; keys: {sorted(BENCH_KEYS)}", file=sys.stderr)
-            return 2
-        bench[k] = v
-    rank = int(bench["rank"])
-    variants = [["method=dense"]] + [[f"method={v.split()[0]}", f"{v.split()[0]}.rank={rank}", *v.split()[1:]]
-                                     for v in bench["variants"].split(";") if v.strip()]
+    from baselines import METHODS
+
+    try:
+        args, _, _ = parse(AllreduceBenchArgs, argv, doc=__doc__)
+        specs = parse_methods(args.methods, known=METHODS)
+    except ConfigError as e:
+        return fail(e, "experiments.memory.allreduce_bench")
+    bench = {k: str(v) for k, v in asdict(args).items()}
+    rank = args.rank
+    variants = [["method=dense"]] + [[f"method={m.method}", f"{m.method}.rank={rank}", *m.overrides] for m in specs]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = mp.start_processes(_worker, args=(2, _free_port(), variants, bench, out), nprocs=2, join=False,
                                start_method="spawn")
     results = out.get()
     procs.join()
-
-    from experiments.rl.trainer import git_sha
 
     print(f"command: python -m experiments.memory.allreduce_bench {' '.join(argv)}".rstrip())
     print(f"git sha: {git_sha()}   torch {torch.__version__}   2 gloo processes, 1 thread each, model {bench['model']}")

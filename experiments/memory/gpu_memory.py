@@ -2,7 +2,7 @@
 in bf16, beside the planner's prediction. Needs a CUDA GPU (not run in this repository's CI).
 
     python -m experiments.memory.gpu_memory [models=qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b] [methods=dense,logra]
-        [micro_batch=1] [seq_len=1024] [rank=256] [out=results/gpu/memory.csv]
+        [micro_batch=1] [seq_len=1024] [rank=256] [out=results/gpu/memory.csv]   (--help: the keys)
 
 Each (model, method) runs in its own process: build the architecture from the planner's preset with
 random weights in bf16 on the GPU, activation checkpointing on, one forward/backward of a random
@@ -20,10 +20,24 @@ import csv
 import json
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-KEYS = {"models": "qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b", "methods": "dense,logra", "micro_batch": "1",
-        "seq_len": "1024", "rank": "256", "out": "results/gpu/memory.csv"}
+from experiments.common.cli import fail, parse, parse_methods
+from experiments.common.config import ConfigError
+
+
+@dataclass
+class GPUMemoryArgs:
+    models: str = "qwen2.5-0.5b,qwen2.5-1.5b,qwen2.5-7b"  # planner presets, comma-separated
+    methods: str = "dense,logra"  # dense and/or logra (names only: the knobs are the keys here)
+    micro_batch: int = 1  # sequences per forward/backward
+    seq_len: int = 1024  # tokens per sequence
+    rank: int = 256  # LoGRA sketch rank
+    out: str = "results/gpu/memory.csv"  # the CSV written (one row per model x method)
+
+
+KEYS = {k: str(v) for k, v in asdict(GPUMemoryArgs()).items()}
 
 
 def child(model: str, method: str, a: dict) -> dict:
@@ -88,19 +102,19 @@ def summary(r: dict) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--child"]:
-        a = dict(KEYS, **dict(x.split("=", 1) for x in argv[3:]))
+    is_child = argv[:1] == ["--child"]
+    try:
+        args, _, _ = parse(GPUMemoryArgs, argv[3:] if is_child else argv, doc=__doc__)
+        methods = [m.method for m in parse_methods(args.methods, known=("dense", "logra"))]
+    except ConfigError as e:
+        return fail(e, "experiments.memory.gpu_memory")
+    a = {k: str(v) for k, v in asdict(args).items()}
+    if is_child:
         print("RESULT " + json.dumps(child(argv[1], argv[2], a)))
         return 0
-    a = dict(KEYS)
-    for x in argv:
-        k, eq, v = x.partition("=")
-        if not eq or k not in KEYS:
-            raise SystemExit(f"unknown argument {x!r}; keys: {', '.join(KEYS)}")
-        a[k] = v
     rows = []
     for model in a["models"].split(","):
-        for method in a["methods"].split(","):
+        for method in methods:
             proc = subprocess.run([sys.executable, "-m", "experiments.memory.gpu_memory", "--child", model, method, *argv],
                                   capture_output=True, text=True)
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

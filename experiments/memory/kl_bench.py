@@ -1,7 +1,8 @@
 """Cost of predicted-KL step control beside one forward pass of the same probe batch.
 
     python -m experiments.memory.kl_bench [method=logra] [seqs=8] [completion_len=128] [repeats=3]
-        [any run-config key=value ...]
+        [any run-config key=value ...]   (--help: the keys; ``method=`` and its overrides are run-config keys,
+        e.g. ``method=logra logra.rank=32``; the method defaults to logra here)
 
 The method accumulates gradients on a fixed rollout batch (as in ``step_bench``) and proposes its
 update; then, alternating ``repeats`` times, (a) a no-grad forward of the probe batch through the
@@ -25,10 +26,20 @@ import threading
 import time
 from contextlib import nullcontext
 
+from dataclasses import asdict, dataclass
+
 import psutil
 import torch
 
-BENCH_KEYS = {"method": "logra", "seqs": "8", "completion_len": "128", "repeats": "3"}
+from experiments.common.cli import fail, parse
+from experiments.common.config import ConfigError
+
+
+@dataclass
+class KLBenchArgs:
+    seqs: int = 8  # sequences in the fixed rollout (and probe) batch
+    completion_len: int = 128  # completion tokens per sequence
+    repeats: int = 3  # alternating forward / predict_kl timings (medians are printed)
 
 
 class PeakRSS:
@@ -65,7 +76,7 @@ def measure(bench: dict, rest: list[str], what: str) -> dict:
 
     seqs = int(bench["seqs"])
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = build_config([f"method={bench['method']}", f"out_dir={tmp}/run", "log.progress=false", "eval.every=0", *rest])
+        cfg = build_config([f"out_dir={tmp}/run", "log.progress=false", "eval.every=0", *rest])
         trainer = GRPOTrainer(cfg)
         rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(bench["completion_len"]))
         rows = torch.arange(seqs)
@@ -103,10 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     child = bool(argv) and argv[0] == "--memory"
     if child:
         argv = argv[1:]
-    bench, rest = dict(BENCH_KEYS), []
-    for a in argv:
-        key, _, value = a.partition("=")
-        (bench.__setitem__(key, value) if key in bench else rest.append(a))
+    from experiments.config import run_keys
+
+    try:
+        args, rest, _ = parse(KLBenchArgs, argv, doc=__doc__, run_keys=run_keys)
+    except ConfigError as e:
+        return fail(e, "experiments.memory.kl_bench")
+    bench = {k: str(v) for k, v in asdict(args).items()}
+    rest = ["method=logra", *rest]  # the method measured unless method= says otherwise
+    bench["method"] = next(r.split("=", 1)[1] for r in reversed(rest) if r.startswith("method="))
     if child:
         print("RESULT " + json.dumps(measure(bench, rest, "memory")))
         return 0

@@ -1,10 +1,11 @@
 """Peak memory of one GRPO training step per method, each in a fresh process, side by side.
 
-    python -m experiments.memory.step_bench [variants="dense;logra;logra logra.embeddings=true"]
-        [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [any run-config key=value ...]
+    python -m experiments.memory.step_bench [methods="dense,logra,logra:logra.embeddings=true"]
+        [seqs=8] [micro_batch=4] [completion_len=128] [steps=2] [any run-config key=value ...]   (--help: the keys)
 
-A variant is a method name followed by its own overrides; the other ``key=value`` arguments
-apply to every variant (e.g. ``model.gradient_checkpointing=true train.logprob_chunk=0``).
+``methods``: method names, each optionally followed by ``:`` and its own overrides
+(``experiments.common.cli.parse_methods``); the other run-config ``key=value`` arguments apply to every
+method (e.g. ``model.gradient_checkpointing=true train.logprob_chunk=0``).
 
 Every method trains on the same fixed rollout batch (arith prompts, seeded random completion
 tokens, fixed advantages) through the trainer's own code path (``accumulate_gradients`` then the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict, dataclass
 import subprocess
 import sys
 import tempfile
@@ -31,19 +33,28 @@ from pathlib import Path
 
 import torch
 
-BENCH_KEYS = {"variants": "dense;logra;logra logra.embeddings=true", "seqs": "8", "micro_batch": "4",
-              "completion_len": "128", "steps": "2", "malloc_mmap_threshold": "65536", "out": ""}
+from experiments.common.cli import fail, parse, parse_methods
+from experiments.common.config import ConfigError
+from experiments.common.provenance import git_sha
+
+
+@dataclass
+class StepBenchArgs:
+    methods: str = "dense,logra,logra:logra.embeddings=true"  # methods, each with optional overrides after ':'
+    seqs: int = 8  # sequences in the fixed rollout batch
+    micro_batch: int = 4  # sequences per forward/backward
+    completion_len: int = 128  # completion tokens per sequence
+    steps: int = 2  # updates per method (the second has optimizer state)
+    malloc_mmap_threshold: int = 65536  # MALLOC_MMAP_THRESHOLD_ of the children, bytes; 0 = glibc's default
+    out: str = ""  # also write the figures as JSON to this file
 
 
 def _split(argv: list[str]) -> tuple[dict, list[str]]:
-    bench, rest = dict(BENCH_KEYS), []
-    for a in argv:
-        key, _, value = a.partition("=")
-        if key in bench:
-            bench[key] = value
-        else:
-            rest.append(a)
-    return bench, rest
+    """The benchmark's settings (as strings) and the run-config overrides for every method."""
+    from experiments.config import run_keys
+
+    args, rest, _ = parse(StepBenchArgs, argv, doc=__doc__, run_keys=run_keys)
+    return {k: str(v) for k, v in asdict(args).items()}, rest
 
 
 def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0, pad: int = 0):
@@ -78,8 +89,8 @@ def child(variant: str, bench: dict, overrides: list[str]) -> dict:
     from experiments.rl.trainer import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        method, *own = variant.split()
-        cfg = build_config([f"method={method}", f"out_dir={tmp}/run", "log.progress=false", "eval.every=0", *overrides, *own])
+        entry = parse_methods(variant)[0]
+        cfg = build_config([f"out_dir={tmp}/run", "log.progress=false", "eval.every=0", *overrides, *entry.run_overrides()])
         trainer = GRPOTrainer(cfg)
         rss_after_load = peak_rss_bytes()
         device = trainer.device
@@ -100,13 +111,19 @@ def child(variant: str, bench: dict, overrides: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "--child":
-        bench, rest = _split(argv[2:])
-        print("RESULT " + json.dumps(child(argv[1], bench, rest)))
-        return 0
-    bench, rest = _split(argv)
+    try:
+        if argv and argv[0] == "--child":
+            bench, rest = _split(argv[2:])
+            print("RESULT " + json.dumps(child(argv[1], bench, rest)))
+            return 0
+        bench, rest = _split(argv)
+        from baselines import METHODS
+
+        variants = [m.label for m in parse_methods(bench["methods"], known=METHODS)]
+    except ConfigError as e:
+        return fail(e, "experiments.memory.step_bench")
     results = []
-    for variant in [v.strip() for v in bench["variants"].split(";") if v.strip()]:
+    for variant in variants:
         cmd = [sys.executable, "-m", "experiments.memory.step_bench", "--child", variant, *argv]
         env = dict(os.environ)
         if int(bench["malloc_mmap_threshold"]) > 0:
@@ -126,8 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['variant']:<32} {r['peak_bytes'] / 2**20:>10.0f} {r['rss_after_load_bytes'] / 2**20:>15.0f} "
               f"{r['peak_bytes'] / base:>16.3f}")
     if bench["out"]:
-        from experiments.rl.trainer import git_sha
-
         record = {"command": "python -m experiments.memory.step_bench " + " ".join(argv), "git_sha": git_sha(),
                   "bench": bench, "overrides": rest,
                   "results": [{**r, "ratio_to_first": r["peak_bytes"] / base} for r in results]}

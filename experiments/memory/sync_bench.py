@@ -1,7 +1,7 @@
 """Weight-sync cost: payload bytes of a LoGRA step against a full-weight sync, and their times side by side.
 
-    python -m experiments.memory.sync_bench [variants="logra;logra logra.embeddings=true"] [repeats=3]
-        [seqs=8] [completion_len=128] [rank=256] [any run-config key=value ...]
+    python -m experiments.memory.sync_bench [methods="logra,logra:logra.embeddings=true"] [repeats=3]
+        [seqs=8] [completion_len=128] [rank=256] [any run-config key=value ...]   (--help: the keys)
 
 1. For each variant, on SmolLM2-135M-Instruct with a worker-process engine (``rollout.engine=
    hf_process``, gloo): ``repeats`` times, one real LoGRA step on a fixed rollout batch, then the
@@ -19,10 +19,21 @@ import statistics
 import sys
 import tempfile
 
+from dataclasses import dataclass
+
 import torch
 
-BENCH_KEYS = {"variants": "logra;logra logra.embeddings=true", "repeats": "3", "seqs": "8",
-              "completion_len": "128", "rank": "256"}
+from experiments.common.cli import fail, parse, parse_methods
+from experiments.common.config import ConfigError
+
+
+@dataclass
+class SyncBenchArgs:
+    methods: str = "logra,logra:logra.embeddings=true"  # logra variants, each with optional overrides after ':'
+    repeats: int = 3  # step + full syncs per variant (medians are printed)
+    seqs: int = 8  # sequences in the fixed rollout batch
+    completion_len: int = 128  # completion tokens per sequence
+    rank: int = 256  # sketch rank of the from-shapes estimate for the 7B and 27B configs
 
 
 def big_configs():
@@ -55,23 +66,23 @@ def payload_fraction(config, rank: int, embeddings: bool) -> tuple[float, int, i
     return payload / full, payload, full
 
 
-def measure(variant: str, bench: dict, overrides: list[str]) -> dict:
+def measure(variant: str, bench: SyncBenchArgs, overrides: list[str]) -> dict:
     from experiments.config import build_config
     from experiments.memory.step_bench import fixed_rollouts
     from experiments.rl.trainer import GRPOTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        method, *own = variant.split()
-        cfg = build_config([f"method={method}", f"out_dir={tmp}/run", "log.progress=false", "eval.every=0",
-                            "rollout.engine=hf_process", *overrides, *own])
+        entry = parse_methods(variant)[0]
+        cfg = build_config([f"out_dir={tmp}/run", "log.progress=false", "eval.every=0",
+                            "rollout.engine=hf_process", *overrides, *entry.run_overrides()])
         trainer = GRPOTrainer(cfg)
         try:
-            seqs = int(bench["seqs"])
-            rollouts = fixed_rollouts(trainer.tokenizer, seqs, int(bench["completion_len"]))
+            seqs = bench.seqs
+            rollouts = fixed_rollouts(trainer.tokenizer, seqs, bench.completion_len)
             rows = torch.arange(seqs)
             trainer.sync(full=True)
             step, full = [], []
-            for _ in range(int(bench["repeats"])):
+            for _ in range(bench.repeats):
                 trainer.method.zero_grad()
                 trainer.accumulate_gradients(rollouts, torch.linspace(-1.0, 1.0, seqs),
                                              [rows[i : i + 4] for i in range(0, seqs, 4)])
@@ -92,19 +103,23 @@ def measure(variant: str, bench: dict, overrides: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    bench, rest = dict(BENCH_KEYS), []
-    for a in argv:
-        key, _, value = a.partition("=")
-        (bench.__setitem__(key, value) if key in bench else rest.append(a))
+    from baselines import METHODS
+    from experiments.config import run_keys
+
+    try:
+        bench, rest, _ = parse(SyncBenchArgs, argv, doc=__doc__, run_keys=run_keys)
+        variants = [m.label for m in parse_methods(bench.methods, known=METHODS)]
+    except ConfigError as e:
+        return fail(e, "experiments.memory.sync_bench")
     mib = lambda b: b / 2**20  # noqa: E731
-    print(f"SmolLM2 step sync over a gloo channel to a worker process, median of {bench['repeats']} "
+    print(f"SmolLM2 step sync over a gloo channel to a worker process, median of {bench.repeats} "
           f"(overrides: {' '.join(rest) or '-'})")
-    for variant in [v.strip() for v in bench["variants"].split(";") if v.strip()]:
+    for variant in variants:
         r = measure(variant, bench, rest)
         print(f"  {variant} (rank {r['rank']}): step payload {mib(r['bytes']):.1f} MiB / full {mib(r['full_bytes']):.1f} MiB"
               f" = {r['bytes'] / r['full_bytes']:.3f} (from shapes: {r['estimate']:.3f}); time {r['time']:.2f} s vs full"
               f" {r['full_time']:.2f} s = {r['time'] / r['full_time']:.2f}; resyncs {r['resyncs']:.0f}")
-    rank = int(bench["rank"])
+    rank = bench.rank
     print(f"From shapes at rank {rank} (bytes of one step's payload / a full-weight sync):")
     for name, config in big_configs().items():
         for embeddings in (False, True):

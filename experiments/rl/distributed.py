@@ -282,6 +282,13 @@ class DataParallel:
         """Context in which ``model`` holds its whole weights (rollouts, evaluation)."""
         return nullcontext()
 
+    def micro_batches(self, rows: torch.Tensor, size: int) -> tuple[list[torch.Tensor], int]:
+        """``rows`` (this rank's trained row indices) cut into micro-batches of ``size``, padded by
+        :meth:`even_micro_batches`; returns (micro-batches, how many are real). The trainer trains the
+        padding ones with weight 0."""
+        micro = [rows[i : i + size] for i in range(0, len(rows), size)]
+        return self.even_micro_batches(micro), len(micro)
+
     def sync_sender(self, model: nn.Module) -> SyncSender:
         """What builds the weight-sync payloads of an engine with its own copy (:mod:`logra_core.sync`)."""
         return SyncSender(model)

@@ -13,7 +13,7 @@ is a ready model input whose completions occupy the last C columns.
 from __future__ import annotations
 
 import copy
-
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -129,6 +129,9 @@ class RolloutEngine:
 
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+# The modules whose engines register themselves (``@register_engine``) when imported; build_engine
+# imports them, so a new engine is its module plus one line here.
+ENGINE_MODULES = ("experiments.rl.sync_engines", "experiments.rl.vllm_engine")
 
 
 def register_engine(name: str):
@@ -157,6 +160,8 @@ def copy_policy(model, factory=None):
 def build_engine(cfg: RolloutConfig, model, tokenizer, factory=None) -> RolloutEngine:
     """The engine ``cfg.engine`` for the trainer's ``model``; ``factory`` builds the policy skeleton
     where an engine lives in another process."""
+    for module in ENGINE_MODULES:
+        importlib.import_module(module)
     if cfg.engine not in ENGINES:
         raise ValueError(f"unknown rollout.engine {cfg.engine!r}; registered: {sorted(ENGINES)}")
     return ENGINES[cfg.engine](cfg, model, tokenizer, factory=factory)

@@ -20,64 +20,32 @@ phase and the memory planner's estimate. Checkpoints are crash-safe (``experimen
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import subprocess
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-import transformers
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from baselines import METHODS
-from experiments.config import ConfigError, schema, to_yaml
-from experiments.rl import checkpoint as ckpt
+from experiments.common.provenance import git_sha  # noqa: F401  (re-exported for older callers)
 from experiments.rl.distributed import build_strategy
 from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages, logit_softcap
 from experiments.rl.guard import (PREEMPTED_EXIT, NonFiniteError, Preempted, PreemptionSignals,  # noqa: F401  (re-exported)
                                   oom_context, planner_estimate, update_nonfinite)
 from experiments.memory.profiler import StepProfiler, optimizer_tensors
-from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics, truncate_jsonl
+from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics
 from experiments.rl.models import load_model
 from experiments.rl.rollout import Rollouts, build_engine
+from experiments.rl.run_dir import RunDirectory
 from experiments.rl.sync_engines import PolicyFactory
-from experiments.rl import vllm_engine  # noqa: F401  (registers rollout.engine=vllm; imports vllm only when used)
+from experiments.rl.sync_stats import WeightSync
 from experiments.rl.tasks import build_task, format_prompt, held_out
 from logra_core.kl_predictor import exact_kl, hidden_states
 from logra_core.step_control import step_scale
-from logra_core.sync import full_bytes
-
-# Keys that may differ between a run and its resumption.
-RESUMABLE_CHANGES = {"resume", "train.steps", "log.progress", "log.tensorboard", "threads", "guard.max_consecutive_skips"}
-
-
-def git_sha() -> str:
-    try:
-        root = Path(__file__).resolve().parents[2]
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
-        return (sha or "unknown") + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _flat(cfg: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in cfg.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
-
 
 def probe_inputs(rollouts: Rollouts, device) -> dict[str, torch.Tensor]:
     """Model inputs of a probe batch for the KL predictor, and ``positions``: the [B, P + C] mask of
@@ -113,9 +81,10 @@ class GRPOTrainer:
         self.cfg = OmegaConf.to_object(cfg)
         c = self.cfg
         self.run_dir = Path(c.out_dir)
+        self.directory = RunDirectory(self.run_dir, cfg)  # config, meta, samples, skips, checkpoints
         self.dist = build_strategy(c, METHODS[c.method])  # one process: the identity (experiments/rl/distributed.py)
         if self.dist.is_main:
-            self._check_run_dir()
+            self.directory.check()  # refuse to overwrite a run, or to resume one with another config
         if c.threads > 0:
             torch.set_num_threads(c.threads)
         self.device = torch.device("cuda" if c.device == "auto" and torch.cuda.is_available() else ("cpu" if c.device == "auto" else c.device))
@@ -144,9 +113,9 @@ class GRPOTrainer:
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.engine = build_engine(c.rollout, self.model, self.tokenizer,
                                    factory=PolicyFactory(c.model, c.method, getattr(c, c.method), c.threads))
-        self.sender = self.dist.sync_sender(self.model) if self.engine.holds_copy else None
+        self.weight_sync = WeightSync(self.model, self.engine, self.dist.sync_sender)  # bytes, resyncs, full-sync fallback
         if self.dist.is_main:
-            self._record_run()  # only now: a run that failed to set up leaves no run directory behind
+            self.directory.record()  # only now: a run that failed to set up leaves no run directory behind
         self.metrics = self.dist.metrics_writer(lambda: MetricsWriter(self.run_dir, tensorboard=c.log.tensorboard))
         self.step = 0
         self.epoch, self.cursor = 0, 0
@@ -156,43 +125,11 @@ class GRPOTrainer:
         if c.resume:
             self._resume()
 
-    # ---- run directory, checkpoints -------------------------------------------------------
-    def _check_run_dir(self) -> None:
-        """Refuse to overwrite a run; on resume, refuse a config that differs in a key that matters."""
-        c = self.cfg
-        saved = self.run_dir / "config.yaml"
-        if saved.exists():
-            if not c.resume:
-                raise FileExistsError(f"{self.run_dir} already holds a run: pass resume=true to continue it, or another out_dir")
-            old = _flat(OmegaConf.to_container(OmegaConf.load(saved)))
-            new = _flat(OmegaConf.to_container(self.cfg_yaml))
-            default = _flat(OmegaConf.to_container(schema()))
-            # a key added to the code since the run started is no change while it holds its default
-            diff = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)
-                    and not (k not in old and k in default and new.get(k) == default[k])} - RESUMABLE_CHANGES
-            if diff:
-                raise ConfigError(f"resume: config differs from the saved run in {sorted(diff)}")
-
-    def _record_run(self) -> None:
-        """Write the resolved config and meta.json (git sha, versions); a resumption is appended."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.run_dir / "config.yaml", to_yaml(self.cfg_yaml))
-        now = {"git_sha": git_sha(), "torch": torch.__version__, "transformers": transformers.__version__,
-               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        path = self.run_dir / "meta.json"
-        if self.cfg.resume and path.exists():
-            meta = json.loads(path.read_text())
-            meta.setdefault("resumed", []).append(now)
-        else:
-            meta = {**now, "resumed": []}
-        _write_atomic(path, json.dumps(meta, indent=1))
-
+    # ---- checkpoints ----------------------------------------------------------------------------
     def _resume(self) -> None:
-        found, incomplete = ckpt.scan_checkpoints(self.run_dir)
-        for p in incomplete if self.dist.is_main else []:
-            print(f"[resume] ignoring incomplete checkpoint {p} (no {ckpt.MANIFEST}: a write that did not finish)")
+        found = self.directory.latest_checkpoint(verbose=self.dist.is_main)  # the newest complete one, or None
         if found:
-            state = self.dist.load_checkpoint(found[-1], self.model, self.method)  # CheckpointCorrupt on a checksum mismatch
+            state = self.dist.load_checkpoint(found, self.model, self.method)  # CheckpointCorrupt on a checksum mismatch
             self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
             self.consecutive_skips = state.get("consecutive_skips", 0)
             print(f"[resume] continuing {self.run_dir} from step {self.step}")
@@ -201,8 +138,7 @@ class GRPOTrainer:
         # records written after that checkpoint are redone, not duplicated
         self.metrics.truncate_after(self.step if found else -1)
         if self.dist.is_main:
-            truncate_jsonl(self.run_dir / "samples.jsonl", self.step)
-            truncate_jsonl(self.run_dir / "skips.jsonl", self.step)
+            self.directory.truncate_after(self.step)
 
     def save(self) -> None:
         state = {"epoch": self.epoch, "cursor": self.cursor, "consecutive_skips": self.consecutive_skips}
@@ -269,7 +205,7 @@ class GRPOTrainer:
         if give_up:
             raise NonFiniteError(
                 f"{self.consecutive_skips} consecutive steps skipped for non-finite values (last: "
-                f"{'; '.join(self._skips) or 'another rank'}); see {self.run_dir / 'skips.jsonl'}. The checkpoint "
+                f"{'; '.join(self._skips) or 'another rank'}); see {self.directory.skips_path}. The checkpoint "
                 f"of step {self.step} holds the weights of the last good update.")
         if preempted:
             raise Preempted(f"{signals.received or 'a signal on another rank'}: stopped at step {self.step} "
@@ -326,9 +262,7 @@ class GRPOTrainer:
         stats = {"rollout/trained_seqs": trained_seqs, "rollout/trained_tokens": 0.0, "step/skipped": 0.0}
         if trained_seqs == 0:  # every group had equal rewards: no signal, no update
             return {**stats, "loss/policy": 0.0, "clip/fraction": 0.0}
-        micro = [rows[i : i + tc.micro_batch_size] for i in range(0, len(rows), tc.micro_batch_size)]
-        real = len(micro)
-        micro = self.dist.even_micro_batches(micro)  # FSDP: the same number of forwards on every rank
+        micro, real = self.dist.micro_batches(rows, tc.micro_batch_size)  # FSDP: padded to equal forward counts
         stats["rollout/trained_tokens"] = trained_tokens
         old = None
         if tc.ppo_epochs > 1:
@@ -352,8 +286,7 @@ class GRPOTrainer:
             stats.update(step_stats)
             with self._phase("sync"):
                 synced = self.sync()
-            for k, v in synced.items():  # the engine follows every applied update
-                stats[k] = stats.get(k, 0.0) + v if k in ("sync/bytes", "time/sync_s", "sync/resyncs") else v
+            WeightSync.add(stats, synced)  # the engine follows every applied update
         self.method.zero_grad()
         pass_stats.pop("kl/sampler_trainer", None)
         return {**stats, **pass_stats}
@@ -371,9 +304,7 @@ class GRPOTrainer:
         if not self._skips or not self.dist.is_main:
             return
         print(f"[guard] step {self.step + 1}: update skipped, non-finite {'; '.join(self._skips)}", flush=True)
-        with open(self.run_dir / "skips.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.step + 1, "nonfinite": self._skips,
-                                "consecutive": self.consecutive_skips + 1}) + "\n")
+        self.directory.append_skip({"step": self.step + 1, "nonfinite": self._skips, "consecutive": self.consecutive_skips + 1})
 
     @contextmanager
     def _phase(self, name: str):
@@ -389,22 +320,7 @@ class GRPOTrainer:
     def sync(self, full: bool = False) -> dict[str, float]:
         """Bring the engine's copy of the policy up to date (DESIGN §3.3): the last step's payload, or
         every tensor; a payload the engine rejects (checksum, version gap) is followed by a full one."""
-        if self.sender is None:
-            return {}
-        t0 = time.perf_counter()
-        ops, changed, masters = self.method.sync_entries()
-        payload = self.sender.full(masters) if full else self.sender.delta(ops, changed, masters)
-        sent, resyncs = payload.nbytes(), 0
-        if not self.engine.receive(payload):
-            if full:
-                raise RuntimeError(f"rollout engine rejected a full sync: {self.engine.last_error}")
-            print(f"[sync] step {self.step}: {self.engine.last_error}; sending every tensor")
-            payload = self.sender.full(masters)
-            sent, resyncs = sent + payload.nbytes(), 1
-            if not self.engine.receive(payload):
-                raise RuntimeError(f"rollout engine rejected a full resync: {self.engine.last_error}")
-        return {"sync/bytes": float(sent), "sync/full_bytes": float(full_bytes(self.model)),
-                "sync/resyncs": float(resyncs), "time/sync_s": time.perf_counter() - t0}
+        return self.weight_sync(self.method, full=full, step=self.step)
 
     def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor) -> dict[str, float] | None:
         """Propose the update, predict its KL on a probe of the batch, apply it scaled (DESIGN §3.2).
@@ -522,8 +438,6 @@ class GRPOTrainer:
         if n <= 0 or not self.dist.is_main:
             return
         G = self.cfg.train.group_size
-        with open(self.run_dir / "samples.jsonl", "a") as f:
-            for i in range(n):
-                f.write(json.dumps({"step": self.step + 1, "question": problems[i // G].question, "reference": problems[i // G].reference,
-                                    "completion": rollouts.texts[i], "reward": float(rewards[i])}) + "\n")
+        self.directory.append_samples([{"step": self.step + 1, "question": problems[i // G].question, "reference": problems[i // G].reference,
+                                     "completion": rollouts.texts[i], "reward": float(rewards[i])} for i in range(n)])
 
