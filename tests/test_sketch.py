@@ -34,8 +34,10 @@ def test_sketch_equals_dense_gradient_times_A_transpose(m, n, r, bias, shape, se
     (sk(x2).float().sin().sum()).backward()
     A = projection(r, n, seed, 3, 0)
     expected = dense.weight.grad.float() @ A.t()
-    # fp32: 1e-5 relative (the spec); bf16: the dense reference itself is rounded to 8 bits
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    # fp32: 1e-5 relative to the sketch's scale (an entry that nearly cancels keeps the fp32 rounding of
+    # its summands, summed in another order); bf16: the dense reference itself is rounded to 8 bits
+    scale = float(expected.abs().max())
+    tol = dict(rtol=1e-5, atol=1e-5 * scale) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(sk.sketch_state.sketch, expected, **tol)
     assert sk.weight.grad is None
     torch.testing.assert_close(x2.grad, x1.grad)  # input gradient unchanged
