@@ -19,7 +19,7 @@ import pandas as pd
 
 from analysis.render import GROUP, Absent, Table, colors, fmt, fmt_g, legend_right, plain_log_ticks, seed_band
 
-TOLERANCE = 0.25  # |realized / κ − 1| ≤ 25 % counts as on target (DESIGN §3.2)
+TOLERANCE = 0.25  # |realized / κ − 1| ≤ 25 % counts as on target (docs/design.md §3.2)
 
 
 def controlled_steps(runs: pd.DataFrame) -> pd.DataFrame:

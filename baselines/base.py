@@ -68,7 +68,7 @@ class Method:
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type]
-    # predicted-KL step control when step_control.enabled is unset (on for logra: DESIGN §3.2)
+    # predicted-KL step control when step_control.enabled is unset (on for logra: docs/design.md §3.2)
     step_control_default: ClassVar[bool] = False
     supports_step_control: ClassVar[bool] = True  # False where updates happen inside backward
     supports_data_parallel: ClassVar[bool] = True  # False where updates land before gradients could be reduced

@@ -41,7 +41,7 @@ class LoGRAMethod(Method):
     """Attention and MLP projections learn through sketches (no dense gradient); the rest via AdamW."""
 
     config_cls = LoGRAConfig
-    step_control_default = True  # DESIGN §3.2: predicted-KL step control is part of the method
+    step_control_default = True  # docs/design.md §3.2: predicted-KL step control is part of the method
     rank_key = "rank"
     plan_option_names = frozenset({"embeddings"})  # the planner's embeddings=true: sketch the embedding and a tied head
 

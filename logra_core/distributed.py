@@ -1,4 +1,4 @@
-"""Data-parallel reductions for the sketch optimizer (DESIGN §6), free of any training harness.
+"""Data-parallel reductions for the sketch optimizer (docs/design.md §6), free of any training harness.
 
 Data parallelism sums each rank's gradient: G = Σ_k G_k. A sketch is linear in the gradient, so
 S = G Aᵀ = Σ_k G_k Aᵀ = Σ_k S_k: ranks that rebuild the same A from (seed, layer, step) all-reduce

@@ -1,4 +1,4 @@
-"""Predicted KL of an update before it is applied (DESIGN §3.2).
+"""Predicted KL of an update before it is applied (docs/design.md §3.2).
 
 For probe tokens t with logits z_t = h_t Wᵀ (h: T × d, head W: V × d), p_t = softmax(z_t), and the
 directional derivative of the logits along the update Δ, δz_t = J_t Δ, the second-order expansion

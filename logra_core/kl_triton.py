@@ -1,4 +1,4 @@
-"""Fused Triton kernel for the per-token second-order KL terms (DESIGN §3.2); optional (needs triton).
+"""Fused Triton kernel for the per-token second-order KL terms (docs/design.md §3.2); optional (needs triton).
 
 For z = h Wᵀ (h: T × d, W: V × d) and δz = g₁ U₁ᵀ + g₂ U₂ᵀ (g_i: T × k_i, U_i: V × k_i; the second
 pair optional), each program takes BLOCK_T tokens and streams the vocabulary in BLOCK_V tiles. A

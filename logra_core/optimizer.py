@@ -153,7 +153,7 @@ class LoGRA(torch.optim.Optimizer):
 
     @torch.no_grad()
     def propose(self) -> Update:
-        """Advance the moments and compute Δ without touching the weights (DESIGN §3.2).
+        """Advance the moments and compute Δ without touching the weights (docs/design.md §3.2).
 
         Sketched weights: ΔW = D A as factors (``lowrank``, by module name); weight decay, when
         on, adds −ηλW to ``dense`` (weight-sized, so only then). Other tensors: AdamW's Δ (``dense``).

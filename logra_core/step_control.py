@@ -1,4 +1,4 @@
-"""Predicted-KL step control (DESIGN §3.2): scale an update so the policy moves by about κ.
+"""Predicted-KL step control (docs/design.md §3.2): scale an update so the policy moves by about κ.
 
 The second-order prediction is quadratic in the step: KL̂(s) = s²·KL̂(1). For a target κ,
 
@@ -18,7 +18,7 @@ from typing import Optional
 
 @dataclass
 class StepControlConfig:
-    enabled: Optional[bool] = None  # predicted-KL step control (DESIGN §3.2); None = the method's default (on for logra only)
+    enabled: Optional[bool] = None  # predicted-KL step control (docs/design.md §3.2); None = the method's default (on for logra only)
     target_kl: float = 1e-2  # κ: the mean per-token KL(π_old‖π_new) on the probe tokens a step may reach (results/step_control)
     probe_seqs: int = 16  # at most this many sequences of the update's batch form the probe batch (their response tokens)
     probe_fraction: float = 1.0  # probe round(fraction × batch sequences) of them (≥ 1, ≤ probe_seqs); 0.06 ≈ 5 % of a step but a 1-row probe erred by 68 % on SmolLM2 (docs/speed.md)

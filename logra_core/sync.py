@@ -1,4 +1,4 @@
-"""Low-rank policy synchronization from trainer to rollout engine, bit for bit (DESIGN §3.3).
+"""Low-rank policy synchronization from trainer to rollout engine, bit for bit (docs/design.md §3.3).
 
 After each applied step the trainer emits a :class:`SyncPayload` and a receiver replays it on its
 own copy of the policy:

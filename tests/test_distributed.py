@@ -1,4 +1,4 @@
-"""Multi-process GRPO (DESIGN §6): 2 gloo processes under torchrun equal 1 process on the same
+"""Multi-process GRPO (docs/design.md §6): 2 gloo processes under torchrun equal 1 process on the same
 global batch; bytes all-reduced per step are logged; DeepSpeed ZeRO-2 runs. Each torchrun call
 runs several GRPO runs in one process group (tests/dist_entry.py) to pay the start-up once."""
 

@@ -1,4 +1,4 @@
-"""Fault tolerance (issue 11): non-finite steps skipped bit for bit, crash-safe checkpoints,
+"""Fault tolerance: non-finite steps skipped bit for bit, crash-safe checkpoints,
 preemption by signal, kill -9 and resume, tampered checkpoints refused, OOM messages."""
 
 import copy

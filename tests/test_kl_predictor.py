@@ -1,4 +1,4 @@
-"""Predicted KL (DESIGN §3.2): vocabulary sums, head tangents, forward-mode tangents, KL̂ vs realized KL."""
+"""Predicted KL (docs/design.md §3.2): vocabulary sums, head tangents, forward-mode tangents, KL̂ vs realized KL."""
 
 import importlib.util
 import subprocess

@@ -339,7 +339,7 @@ def test_flatten_mixes_nested_and_dotted_keys():
 
 
 def test_dry_run_prints_the_planners_prediction_per_job(tmp_path, monkeypatch, capsys):
-    """The contract of experiments.memory.planner.plan (issue 7), stood in for by a recording fake."""
+    """The contract of experiments.memory.planner.plan, stood in for by a recording fake."""
     import sys
     import types
 

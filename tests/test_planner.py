@@ -1,4 +1,4 @@
-"""The memory planner (issue 7): shapes against a real model, method ordering, errors, CLI."""
+"""The memory planner: shapes against a real model, method ordering, errors, CLI."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""The tensor-accounting memory profiler (issue 7)."""
+"""The tensor-accounting memory profiler."""
 
 import pytest
 import torch

@@ -168,7 +168,7 @@ def test_controlled_steps_land_near_the_target(tmp_path, method):
     ("dense", [], False), ("dense", ["step_control.enabled=true"], True), ("lora", [], False),
 ])
 def test_step_control_default_per_method(tmp_path, method, args, controlled):
-    """On by default for logra only (DESIGN §3.2); `step_control.enabled` overrides either way."""
+    """On by default for logra only (docs/design.md §3.2); `step_control.enabled` overrides either way."""
     t = _trainer(tmp_path, "d", [*METHODS[method], "train.steps=2", *args])
     rows = [m for m in t.train() if m["step"] > 0 and m["rollout/trained_seqs"] > 0]
     assert rows and all(("step/scale" in m) == controlled for m in rows)

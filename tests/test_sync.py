@@ -1,4 +1,4 @@
-"""Weight sync from trainer to rollout engine (DESIGN §3.3): bit-exact copies, corruption and gaps healed."""
+"""Weight sync from trainer to rollout engine (docs/design.md §3.3): bit-exact copies, corruption and gaps healed."""
 
 import copy
 

@@ -43,7 +43,7 @@ def train_run(cfg) -> list[dict]:
 
 
 def _preempted_types() -> tuple:
-    """The trainer's ``Preempted`` (issue 11) when it exists, and ours."""
+    """The trainer's ``Preempted`` when it exists, and ours."""
     try:
         from experiments.rl.trainer import Preempted  # noqa: PLC0415
     except ImportError:

@@ -17,7 +17,7 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def plan_memory(run: Run, sweep: Sweep, launcher: dict) -> str:
-    """One line: the planner's per-GPU prediction for this job (experiments.memory.planner, issue 7)."""
+    """One line: the planner's per-GPU prediction for this job (experiments.memory.planner)."""
     try:
         from experiments.memory.planner import plan
     except ImportError as e:

@@ -1,4 +1,4 @@
-"""Data-parallel gradient traffic: bytes LoGRA all-reduces per step against dense AdamW's (DESIGN §6).
+"""Data-parallel gradient traffic: bytes LoGRA all-reduces per step against dense AdamW's (docs/design.md §6).
 
     python -m experiments.memory.allreduce_bench [rank=64] [methods="logra,logra:logra.embeddings=true"]
         [tokens=64] [repeats=3] [model=smollm2-135m-instruct] [big_rank=256 (0: skip the big configs)]   (--help: the keys)

@@ -1,4 +1,4 @@
-"""Tensor-accounting memory profiler (issue 7, first part): live tensor bytes per phase, and at the
+"""Tensor-accounting memory profiler: live tensor bytes per phase, and at the
 peak the split into parameters, gradients, optimizer state and activations/other.
 
     prof = MemoryProfiler(model, optimizer_state=lambda: method_state_tensors)

@@ -1,4 +1,4 @@
-"""Data-parallel GRPO across processes (DESIGN §6): ``torchrun --nproc_per_node=N -m experiments.train ...``.
+"""Data-parallel GRPO across processes (docs/design.md §6): ``torchrun --nproc_per_node=N -m experiments.train ...``.
 
 Under torchrun (``WORLD_SIZE`` > 1) the process group is initialized from the environment (nccl on
 CUDA, gloo on CPU, ``dist.backend`` to force one). Every rank draws the same prompts for a step

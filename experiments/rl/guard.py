@@ -1,4 +1,4 @@
-"""Fault tolerance of a run (issue 11): non-finite updates skipped, preemption signals, OOM messages.
+"""Fault tolerance of a run: non-finite updates skipped, preemption signals, OOM messages.
 
 Non-finite guard. Before an update lands the trainer asks for the first tensor holding a NaN or
 an Inf among, in this order: each micro-batch's loss, the accumulated state the method is about to

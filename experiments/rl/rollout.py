@@ -3,7 +3,7 @@
 An engine is found by name in :data:`ENGINES` (``rollout.engine``). This module has ``shared``:
 HF ``generate`` on the trainer's own module (no weight sync needed). Engines that hold their own
 copy of the policy and receive weight updates (``hf``, ``hf_process``, ``vllm``) plug in behind the
-same interface (DESIGN §3.3, §7).
+same interface (docs/design.md §3.3, §7).
 
 Layout of a batch (:class:`Rollouts`): the prompts are left-padded to a common width P and the
 completions right-padded to a common width C, so ``torch.cat([prompt_ids, completion_ids], 1)``

@@ -1,4 +1,4 @@
-"""The GRPO loop — one for every method (DESIGN §4).
+"""The GRPO loop — one for every method (docs/design.md §4).
 
 Per step: sample ``prompts_per_step × group_size`` completions from the rollout engine → verify
 rewards → group advantages → (old log-probs) → micro-batch forward/backward, accumulating →
@@ -103,7 +103,7 @@ class GRPOTrainer:
         self.model = self.method.setup(model.to(self.device), wrap=self.dist.wrap)
         self.method = self.dist.attach(self.method)
         self.model.train()
-        self.profiler = StepProfiler(c.log.memory_profile and self.dist.is_main, self.model,  # issue 7, off by default
+        self.profiler = StepProfiler(c.log.memory_profile and self.dist.is_main, self.model,  # off by default
                                      lambda: optimizer_tensors(self.method, self.model), self.device, self.run_dir / "memory_profile.jsonl")
         enabled = c.step_control.enabled
         self.step_control = self.method.step_control_default if enabled is None else enabled
@@ -318,12 +318,12 @@ class GRPOTrainer:
                                 self.dist.world_size, self.device)
 
     def sync(self, full: bool = False) -> dict[str, float]:
-        """Bring the engine's copy of the policy up to date (DESIGN §3.3): the last step's payload, or
+        """Bring the engine's copy of the policy up to date (docs/design.md §3.3): the last step's payload, or
         every tensor; a payload the engine rejects (checksum, version gap) is followed by a full one."""
         return self.weight_sync(self.method, full=full, step=self.step)
 
     def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor) -> dict[str, float] | None:
-        """Propose the update, predict its KL on a probe of the batch, apply it scaled (DESIGN §3.2).
+        """Propose the update, predict its KL on a probe of the batch, apply it scaled (docs/design.md §3.2).
         None: the update was not finite and is not applied (the optimizer's moments have advanced)."""
         sc = self.cfg.step_control
         update, stats = self.method.propose()

@@ -1,4 +1,4 @@
-"""A vLLM rollout engine that follows the trainer through weight-sync payloads (DESIGN §3.3, §7).
+"""A vLLM rollout engine that follows the trainer through weight-sync payloads (docs/design.md §3.3, §7).
 
 ``rollout.engine=vllm``. The engine keeps a CPU *shadow* copy of the policy with a
 :class:`~logra_core.sync.SyncReceiver` on it. A payload is applied and verified on the shadow, bit for
