@@ -65,7 +65,7 @@ EOF
 # 2 steps of logra under fsdp2 on one rank (nccl): step control, chunked head, hf engine copy, DCP checkpoint.
 # Random weights earn no reward, so zero-advantage rows are kept: every phase runs (the update is ~0).
 rc=0
-timeout 300 $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m experiments.train \
+timeout "${RUN_TIMEOUT:-300}" $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m experiments.train \
     method=logra "model.name=$OUT/model" model.dtype=bfloat16 model.gradient_checkpointing=true \
     dist.strategy=fsdp2 dist.backend=nccl task=arith train.steps=2 train.prompts_per_step=4 train.group_size=4 \
     train.micro_batch_size=8 train.logprob_chunk=256 train.skip_zero_advantage=false rollout.engine=hf \
@@ -75,7 +75,7 @@ echo "fsdp2 run exit code: $rc" | tee -a "$OUT/run.log"
 ls -R "$OUT/run/checkpoints" >> "$OUT/run.log" 2>&1 || true
 
 # CUDA peaks of one step, dense vs logra, beside the planner
-timeout 240 $PY -m experiments.memory.gpu_memory models=qwen2.5-0.5b,qwen2.5-1.5b methods=dense,logra \
+timeout "${MEMORY_TIMEOUT:-240}" $PY -m experiments.memory.gpu_memory models=qwen2.5-0.5b,qwen2.5-1.5b methods=dense,logra \
     "out=$OUT/memory.csv" > "$OUT/memory.log" 2>&1 || echo "gpu_memory exit code: $?" >> "$OUT/memory.log"
 tail -5 "$OUT/run.log" "$OUT/memory.log"
 exit $rc

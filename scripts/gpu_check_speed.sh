@@ -39,9 +39,9 @@ status=0
   $PY -c "import sys, torch, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 echo "== 1. Triton KL kernel tests"
-timeout 180 $PY -m pytest tests/test_kl_predictor.py -q -rs -k triton -p no:cacheprovider 2>&1 | tee "$OUT/triton_tests.txt" || status=1
+timeout "${TRITON_TIMEOUT:-180}" $PY -m pytest tests/test_kl_predictor.py -q -rs -k triton -p no:cacheprovider 2>&1 | tee "$OUT/triton_tests.txt" || status=1
 echo "== 2. time table: $MODEL on $DEVICE in $DTYPE"
 # shellcheck disable=SC2086
-timeout 420 $PY -m experiments.time_table model="$MODEL" device="$DEVICE" model.dtype="$DTYPE" repeats="$REPEATS" \
+timeout "${TABLE_TIMEOUT:-420}" $PY -m experiments.time_table model="$MODEL" device="$DEVICE" model.dtype="$DTYPE" repeats="$REPEATS" \
   out="$OUT/time_table" $EXTRA 2>&1 | grep -v "Loading weights" | tee "$OUT/time_table.txt" || status=1
 exit $status
