@@ -13,6 +13,7 @@ ROOT=${OUT:-/tmp/gpu_check}; mkdir -p "$ROOT"
 export TRITON_TIMEOUT=${TRITON_TIMEOUT:-120} TABLE_TIMEOUT=${TABLE_TIMEOUT:-200} RUN_TIMEOUT=${RUN_TIMEOUT:-150} \
        MEMORY_TIMEOUT=${MEMORY_TIMEOUT:-60} REPEATS=${REPEATS:-2}
 OUT=$ROOT/speed bash scripts/gpu_check_speed.sh > "$ROOT/speed.log" 2>&1; speed=$?
+[ -d /tmp/site ] && export WHEEL_SITE=/tmp/site  # the wheels gpu_check_speed.sh installed
 OUT=$ROOT/fsdp2 bash scripts/gpu_check_fsdp2.sh > "$ROOT/fsdp2.log" 2>&1; fsdp2=$?
 echo "speed checks exit $speed, fsdp2 checks exit $fsdp2" | tee -a "$ROOT/speed.log"
 tar -czf "$ROOT/gpu_check.tgz" -C "$ROOT" --exclude='*.safetensors' --exclude='*.distcp' --exclude='*.pt' speed fsdp2 2>/dev/null

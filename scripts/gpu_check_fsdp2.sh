@@ -37,7 +37,8 @@ fi
 
 OUT=${OUT:-/tmp/gpu_check_fsdp2}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/$CACHE/site:$PWD" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# packages installed from wheels (with their metadata: latex2sympy2 checks antlr4's version) come first
+export PYTHONPATH="${WHEEL_SITE:+$WHEEL_SITE:}$PWD/$CACHE/site:$PWD" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
 { nvidia-smi || true; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
 
