@@ -92,7 +92,8 @@ def all_reduce_sum(tensors: Sequence[Optional[torch.Tensor]], group=None,
     is reduce-scattered instead — this rank receives the sum of its own rows only, and no rank
     ever holds the whole summed tensor (the rows go in ⌈m / world⌉ chunks, as FSDP shards them).
     """
-    present = torch.tensor([t is not None for t in tensors], dtype=torch.int32)
+    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    present = torch.tensor([t is not None for t in tensors], dtype=torch.int32, device=wire)  # nccl moves no CPU tensors
     if len(tensors):
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)  # gloo and nccl both have MAX on int32
     out: list[Optional[torch.Tensor]] = [None] * len(tensors)

@@ -45,5 +45,5 @@ timeout "${TRITON_TIMEOUT:-180}" $PY -m pytest tests/test_kl_predictor.py -q -rs
 echo "== 2. time table: $MODEL on $DEVICE in $DTYPE"
 # shellcheck disable=SC2086
 timeout "${TABLE_TIMEOUT:-420}" $PY -m experiments.time_table model="$MODEL" device="$DEVICE" model.dtype="$DTYPE" repeats="$REPEATS" \
-  out="$OUT/time_table" ${METHODS:+"methods=$METHODS"} $EXTRA 2>&1 | grep -v "Loading weights" | tee "$OUT/time_table.txt" || status=1
+  out="$OUT/time_table" ${METHODS:+"methods=$METHODS"} $EXTRA 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/time_table.txt" || status=1
 exit $status

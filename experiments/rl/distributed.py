@@ -210,11 +210,19 @@ class DataParallel:
         return make() if self.is_main else _NullWriter()
 
     # ---- collectives --------------------------------------------------------------------------
+    @property
+    def comm_device(self) -> torch.device:
+        """Where the loop's own collectives put their tensors: the current CUDA device under nccl
+        (which moves no CPU tensors), else the CPU (gloo)."""
+        if self.distributed and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def all_sum(self, *values: float) -> list[float]:
         """Σ over ranks of each number (float64)."""
         if not self.distributed:
             return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t, group=self.group)
         return t.tolist()
 
@@ -227,9 +235,10 @@ class DataParallel:
         """The ranks' tensors (same shape on every rank) concatenated along dim 0, in rank order."""
         if not self.distributed:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts)
+        wire = t.to(self.comm_device).contiguous()
+        parts = [torch.empty_like(wire) for _ in range(self.world_size)]
+        dist.all_gather(parts, wire, group=self.group)
+        return torch.cat(parts).to(t.device)
 
     def barrier(self) -> None:
         if self.distributed:
@@ -472,7 +481,7 @@ class FSDP2(DataParallel):
         return micro + [filler] * (most - len(micro))
 
     def _max(self, n: int) -> int:
-        t = torch.tensor([n], dtype=torch.int64)
+        t = torch.tensor([n], dtype=torch.int64, device=self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t)
 
