@@ -28,6 +28,12 @@ from torch.distributed.tensor import DTensor
 from logra_core.distributed import local_rows
 
 
+def _sq_norm(s: torch.Tensor) -> torch.Tensor:
+    """‖s‖² as a float64 scalar, from one reduction over s (no temporary of s's size: a sketched
+    embedding's S is vocabulary × r)."""
+    return torch.linalg.vector_norm(s).double().square()
+
+
 def sketch_sq_norm(weights_and_sketches: Iterable[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> torch.Tensor:
     """Σ ‖S‖² over (weight, sketch) pairs, each row counted once across the ranks of a sharded weight."""
     total = torch.zeros((), dtype=torch.float64)
@@ -37,12 +43,12 @@ def sketch_sq_norm(weights_and_sketches: Iterable[tuple[torch.Tensor, Optional[t
             continue
         rows = local_rows(w)
         if rows is None:
-            total += s.double().square().sum().cpu()
+            total += _sq_norm(s).cpu()
             continue
         if s.shape[0] == w.shape[0] and rows != slice(0, w.shape[0]):
             s = s[rows]  # a whole sketch on every rank: this rank's rows only
         mesh = w.device_mesh
-        sharded[mesh] = sharded.get(mesh, 0.0) + s.double().square().sum()
+        sharded[mesh] = sharded.get(mesh, 0.0) + _sq_norm(s)
     for mesh, part in sharded.items():
         part = torch.as_tensor(part, dtype=torch.float64, device=mesh.device_type)
         dist.all_reduce(part, group=mesh.get_group())

@@ -21,7 +21,7 @@ from tests.toy_task import Toy  # noqa: E402,F401  (registers the toy task)
 def _checked_sync(sync):
     def wrapped(self, full: bool = False):
         out = sync(self, full)
-        if self.sender is not None:
+        if self.weight_sync.sender is not None:
             import torch
             from torch.distributed.tensor import DTensor
 

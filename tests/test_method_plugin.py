@@ -125,7 +125,7 @@ def test_command_line_registers_a_plugin_by_module_name(tmp_path):
     shown = run("experiments.train", "--show", "method=sgd", "sgd.lr=0.25", "model=tiny-llama")
     assert shown.returncode == 0, shown.stderr
     assert "method: sgd" in shown.stdout and "lr: 0.25" in shown.stdout
-    planned = run("experiments.plan", "model=tiny-llama", "method=sgd,dense")
+    planned = run("experiments.plan", "model=tiny-llama", "methods=sgd,dense")
     assert planned.returncode == 0, planned.stderr
     assert "tiny-llama / sgd" in planned.stdout and "tiny-llama / dense" in planned.stdout
     missing = subprocess.run([sys.executable, "-m", "experiments.train", "--show", "method=sgd"], capture_output=True,
