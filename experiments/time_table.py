@@ -46,6 +46,7 @@ medians); prints the table.
 from __future__ import annotations
 
 import csv
+from dataclasses import asdict, dataclass
 import json
 import statistics
 import sys
@@ -61,8 +62,17 @@ COLUMNS = ["method", "model", "device", "phase", "median_s", "q25_s", "q75_s", "
            "git_sha"]
 DEFAULT_METHODS = ("dense,galore,lora,logra:step_control.enabled=false,logra:step_control.enabled=true,"
                    "logra:step_control.enabled=true logra.embeddings=true")
-KEYS = {"out": "results/time_table", "methods": DEFAULT_METHODS, "model": "smollm2-135m-instruct", "repeats": "5",
-        "warmup": "1", "profile": "quick"}
+@dataclass
+class TimeTableArgs:
+    out: str = "results/time_table"  # output folder: time.csv, time.json, time.png/.pdf
+    methods: str = DEFAULT_METHODS  # methods, each with optional overrides: logra:step_control.enabled=false
+    model: str = "smollm2-135m-instruct"  # model.name of every run
+    repeats: int = 5  # timed rounds (the order reversed every other round)
+    warmup: int = 1  # untimed steps per method first
+    profile: str = "quick"  # the sweep whose base gives the step's shapes (none: the run config's defaults)
+
+
+KEYS = {k: str(v) for k, v in asdict(TimeTableArgs()).items()}
 # Keys of a sweep's base that do not shape one step (how long a run is, evaluation, checkpoints, logging),
 # and the model (the ``model=`` key of this tool).
 NOT_SHAPE = ("model.name", "train.steps", "eval.", "checkpoint.", "log.", "step_control.measure_realized")
@@ -212,26 +222,21 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        return 0
-    args, overrides = dict(KEYS), []
-    for a in argv:
-        key, eq, value = a.partition("=")
-        if not eq:
-            raise SystemExit(f"expected key=value, got {a!r} (see --help)")
-        if key in KEYS:
-            args[key] = value
-        else:
-            overrides.append(a)  # a run-config override for every method (checked by build_config)
-    args["overrides"] = profile_overrides(args["profile"]) + overrides
     from baselines import METHODS
-    from experiments.rl.trainer import git_sha
+    from experiments.common.cli import fail, parse, parse_methods
+    from experiments.common.config import ConfigError
+    from experiments.config import run_keys
+
+    try:
+        parsed, overrides, _ = parse(TimeTableArgs, argv, doc=__doc__, run_keys=run_keys)
+        parse_methods(parsed.methods, known=METHODS)
+    except ConfigError as e:
+        return fail(e, "experiments.time_table")
+    args = {k: str(v) for k, v in asdict(parsed).items()}
+    args["overrides"] = profile_overrides(args["profile"]) + overrides
+    from experiments.common.provenance import git_sha
 
     specs = [m.strip() for m in args["methods"].split(",") if m.strip()]
-    for s in specs:
-        if s.partition(":")[0] not in METHODS:
-            raise SystemExit(f"unknown method {s.partition(':')[0]!r}; known: {', '.join(sorted(METHODS))}")
     repeats, warmup = int(args["repeats"]), int(args["warmup"])
     if repeats < 1 or warmup < 0:
         raise SystemExit("repeats must be >= 1 and warmup >= 0")

@@ -21,6 +21,9 @@ TOOLS = [
     ("experiments.memory.gpu_memory", "seq_lenn=8", "seq_len"),
     ("experiments.memory.kl_bench", "completion_lenn=8", "completion_len"),
     ("experiments.publish", "too=results/x", "to"),
+    ("experiments.time_table", "repeatss=1", "repeats"),
+    ("experiments.memory.kl_probe_study", "drawss=1", "draws"),
+    ("experiments.memory.step_profile", "topp=3", "top"),
 ]
 
 

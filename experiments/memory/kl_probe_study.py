@@ -25,6 +25,7 @@ Writes ``<out>/probe_study.csv``, ``probe_study.json`` (command, git sha, settin
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 import copy
 import csv
 import json
@@ -36,9 +37,21 @@ from pathlib import Path
 
 import torch
 
-KEYS = {"model": "smollm2-135m-instruct", "seqs": "32", "group": "4", "max_new_tokens": "64",
-        "probe_seqs": "1,2,4,8,16,32", "draws": "4", "chunks": "64,256", "dtypes": "float32,bfloat16",
-        "target_kl": "0.01", "out": "results/time_table/probe_study", "seed": "0"}
+@dataclass
+class ProbeStudyArgs:
+    model: str = "smollm2-135m-instruct"  # model.name
+    seqs: int = 32  # sequences in the batch whose exact KL is the reference
+    group: int = 4  # completions per prompt
+    max_new_tokens: int = 64  # completion length
+    probe_seqs: str = "1,2,4,8,16,32"  # probe sizes (sequences) to study
+    draws: int = 4  # random probes per size
+    chunks: str = "64,256"  # vocabulary chunk sizes of the predictor
+    dtypes: str = "float32,bfloat16"  # tangent dtypes
+    target_kl: float = 0.01  # κ the update is scaled to before the comparison
+    out: str = "results/time_table/probe_study"  # output folder
+    seed: int = 0  # seeds the batch and the probes
+
+KEYS = {k: str(v) for k, v in asdict(ProbeStudyArgs()).items()}
 COLUMNS = ["probe_seqs", "probe_tokens", "chunk", "dtype", "draw", "predicted", "stderr", "exact", "rel_err_exact",
            "predicted_full", "rel_err_sampling", "within_2se", "time_s", "forwards", "of_fwd_bwd", "scale"]
 
@@ -151,16 +164,16 @@ def figure(rows: list[dict], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        return 0
-    args, overrides = dict(KEYS), []
-    for a in argv:
-        key, eq, value = a.partition("=")
-        if not eq:
-            raise SystemExit(f"expected key=value, got {a!r} (see --help)")
-        (args.__setitem__(key, value) if key in KEYS else overrides.append(a))
-    from experiments.rl.trainer import git_sha
+    from experiments.common.cli import fail, parse
+    from experiments.common.config import ConfigError
+    from experiments.common.provenance import git_sha
+    from experiments.config import run_keys
+
+    try:
+        parsed, overrides, _ = parse(ProbeStudyArgs, argv, doc=__doc__, run_keys=run_keys)
+    except ConfigError as e:
+        return fail(e, "experiments.memory.kl_probe_study")
+    args = {k: str(v) for k, v in asdict(parsed).items()}
 
     rows, meta = run(args, overrides)
     out = Path(args["out"])

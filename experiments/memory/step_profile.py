@@ -14,6 +14,7 @@ header) and prints the comparison.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 import sys
 import tempfile
 from collections import Counter
@@ -21,8 +22,17 @@ from pathlib import Path
 
 import torch
 
-KEYS = {"methods": "dense,logra:step_control.enabled=false", "model": "smollm2-135m-instruct", "seqs": "8",
-        "micro_batch": "8", "completion_len": "40", "top": "25", "out": "results/time_table"}
+@dataclass
+class StepProfileArgs:
+    methods: str = "dense,logra:step_control.enabled=false"  # methods, each with optional overrides
+    model: str = "smollm2-135m-instruct"  # model.name
+    seqs: int = 8  # sequences in the fixed batch
+    micro_batch: int = 8  # sequences per forward/backward
+    completion_len: int = 40  # completion tokens per sequence
+    top: int = 25  # ops listed per method
+    out: str = "results/time_table"  # output folder for profile_<method>.txt
+
+KEYS = {k: str(v) for k, v in asdict(StepProfileArgs()).items()}
 
 
 def profile_update(spec: str, args: dict, overrides: list[str]) -> tuple[Counter, Counter, str]:
@@ -60,16 +70,16 @@ def profile_update(spec: str, args: dict, overrides: list[str]) -> tuple[Counter
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        return 0
-    args, overrides = dict(KEYS), []
-    for a in argv:
-        key, eq, value = a.partition("=")
-        if not eq:
-            raise SystemExit(f"expected key=value, got {a!r} (see --help)")
-        (args.__setitem__(key, value) if key in KEYS else overrides.append(a))
-    from experiments.rl.trainer import git_sha
+    from experiments.common.cli import fail, parse
+    from experiments.common.config import ConfigError
+    from experiments.common.provenance import git_sha
+    from experiments.config import run_keys
+
+    try:
+        parsed, overrides, _ = parse(StepProfileArgs, argv, doc=__doc__, run_keys=run_keys)
+    except ConfigError as e:
+        return fail(e, "experiments.memory.step_profile")
+    args = {k: str(v) for k, v in asdict(parsed).items()}
 
     specs = [m.strip() for m in args["methods"].split(",") if m.strip()]
     header = f"# python -m experiments.memory.step_profile {' '.join(argv)}\n# git sha {git_sha()}, torch {torch.__version__}, threads {torch.get_num_threads()}\n"
