@@ -72,6 +72,16 @@ def test_duplicate_configs_collapse_to_one_run(tmp_path):
     assert len(load_sweep(path).runs()) == 1
 
 
+def test_an_ablation_is_not_crossed_with_another_methods_grid_axis(tmp_path):
+    # dense.lr is dense's axis: an ablation that sets method=logra runs once, named without it
+    path = write_sweep(tmp_path, {"grid": {"method": ["dense"], "dense.lr": [1e-5, 2e-5], "seed": [0]},
+                                  "ablations": [{"name": "lg", "set": {"method": "logra", "logra.lr": 4e-5}}]})
+    runs = load_sweep(path, root=str(tmp_path / "r")).runs()
+    assert [r.cfg.method for r in runs] == ["dense", "dense", "logra"]
+    assert runs[2].run_dir.name.startswith("lg-s0-") and "lr" not in runs[2].run_dir.name.split("-s0-")[0][2:]
+    assert sorted(r.cfg.dense.lr for r in runs[:2]) == [1e-5, 2e-5]
+
+
 def test_bad_sweeps_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown sweep keys"):
         load_sweep(write_sweep(tmp_path, {"grdi": {}}))

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from baselines import METHODS
 from experiments.common.config import ConfigError, flatten
 from experiments.config import NOT_IDENTITY, build_config, identity, run_key
 
@@ -126,7 +127,8 @@ class Sweep:
                 raise ConfigError(f"{self.path}: ablation {abl['name']!r} has unknown keys {sorted(unknown)} (name, set, grid)")
             settings = flatten(abl.get("set") or {})
             own = {k: _as_list(v, f"ablation {abl['name']} grid.{k}") for k, v in flatten(abl.get("grid") or {}).items()}
-            shared = {k: v for k, v in self.grid.items() if k not in settings and k not in own}
+            shared = {k: v for k, v in self.grid.items() if k not in settings and k not in own
+                      and not _other_method_key(k, settings.get("method"))}
             for combo in _product({**shared, **own}):
                 points.append((abl["name"], combo, settings))
 
@@ -153,6 +155,14 @@ class Sweep:
             seen[key] = run_dir
             runs.append(Run(name, overrides, cfg, key, run_dir, ablation, {**settings, **axes}))
         return runs
+
+
+def _other_method_key(key: str, method: Optional[str]) -> bool:
+    """Whether ``key`` belongs to the config section of a method other than ``method``: such a grid
+    axis (``dense.lr`` beside an ablation that sets ``method: logra``) changes nothing in that run (a
+    run config keeps only its own method's section), so the ablation is not crossed with it."""
+    section = key.split(".", 1)[0]
+    return method is not None and "." in key and section != method and section in METHODS
 
 
 def _as_list(v, where: str) -> list:
