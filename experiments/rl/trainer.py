@@ -120,6 +120,7 @@ class GRPOTrainer:
         self.step = 0
         self.epoch, self.cursor = 0, 0
         self.consecutive_skips = 0  # steps in a row skipped by the non-finite guard
+        self.kl_trial_scale = 1.0  # the secant KL predictor's trial scale: the last applied step scale
         self._skips: list[str] = []  # why this step's updates were skipped
         self._bad_loss: str | None = None
         if c.resume:
@@ -132,6 +133,7 @@ class GRPOTrainer:
             state = self.dist.load_checkpoint(found, self.model, self.method)  # CheckpointCorrupt on a checksum mismatch
             self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
             self.consecutive_skips = state.get("consecutive_skips", 0)
+            self.kl_trial_scale = state.get("kl_trial_scale", 1.0)
             print(f"[resume] continuing {self.run_dir} from step {self.step}")
         else:
             print(f"[resume] no checkpoint yet in {self.run_dir}: starting at step 0")
@@ -141,7 +143,8 @@ class GRPOTrainer:
             self.directory.truncate_after(self.step)
 
     def save(self) -> None:
-        state = {"epoch": self.epoch, "cursor": self.cursor, "consecutive_skips": self.consecutive_skips}
+        state = {"epoch": self.epoch, "cursor": self.cursor, "consecutive_skips": self.consecutive_skips,
+                 "kl_trial_scale": self.kl_trial_scale}
         self.dist.save_checkpoint(self.run_dir, self.step, self.model, self.method, state, keep=self.cfg.checkpoint.keep)  # every rank
 
     # ---- data -----------------------------------------------------------------------------
@@ -335,17 +338,22 @@ class GRPOTrainer:
         weight = float(inputs["positions"].sum()) if inputs else 0.0
         T = self.temperature  # the probe's distributions are the sampler's, softmax(z / T)
         with self._phase("kl_predict"):  # a collective where the weights are sharded: every rank calls it
+            at = self.kl_trial_scale
             predicted, stderr = self.dist.predict_kl(self.model, inputs, update, sc.chunk, population=len(rows),
-                                                     temperature=T)
+                                                     temperature=T, predictor=sc.predictor, at=at)
         predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
         stderr = self.dist.weighted_mean(stderr, weight)  # the sampling error of reading it as the batch's KL
         scale = step_scale(predicted, sc.target_kl)
+        if scale > 0:  # the next secant trial: this step's scale, kept off 0 (a skipped step keeps the last)
+            self.kl_trial_scale = max(scale, sc.min_trial_scale)
         if sc.measure_realized:
             with self.dist.full_weights(self.model):
                 if inputs:
                     head = self.model.get_output_embeddings().weight
                     h_old, w_old = hidden_states(self.model, **inputs) / T, head.detach().clone()
         self.method.apply(update, scale)
+        if sc.predictor == "secant":
+            stats["kl/trial_scale"] = at
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale,
                       "kl/predicted_stderr": stderr, "kl/probe_tokens": self.dist.all_sum(weight)[0]})
         if sc.measure_realized:
