@@ -338,13 +338,18 @@ class GRPOTrainer:
         weight = float(inputs["positions"].sum()) if inputs else 0.0
         T = self.temperature  # the probe's distributions are the sampler's, softmax(z / T)
         with self._phase("kl_predict"):  # a collective where the weights are sharded: every rank calls it
-            at = self.kl_trial_scale
-            predicted, stderr = self.dist.predict_kl(self.model, inputs, update, sc.chunk, population=len(rows),
-                                                     temperature=T, predictor=sc.predictor, at=at)
-        predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
-        stderr = self.dist.weighted_mean(stderr, weight)  # the sampling error of reading it as the batch's KL
-        scale = step_scale(predicted, sc.target_kl)
-        if scale > 0:  # the next secant trial: this step's scale, kept off 0 (a skipped step keeps the last)
+            at, trials = self.kl_trial_scale, 0
+            while True:  # secant: measure again at the chosen scale while it is more than 2x off the trial's
+                predicted, stderr = self.dist.predict_kl(self.model, inputs, update, sc.chunk, population=len(rows),
+                                                         temperature=T, predictor=sc.predictor, at=at)
+                predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
+                stderr = self.dist.weighted_mean(stderr, weight)  # the sampling error of reading it as the batch's KL
+                scale, trials = step_scale(predicted, sc.target_kl), trials + 1
+                nxt = max(scale, sc.min_trial_scale)
+                if sc.predictor != "secant" or scale == 0 or trials >= sc.max_trials or abs(math.log(nxt / at)) <= math.log(2):
+                    break
+                at = nxt
+        if scale > 0 and sc.predictor == "secant":  # the next step's trial scale (a skipped step keeps the last)
             self.kl_trial_scale = max(scale, sc.min_trial_scale)
         if sc.measure_realized:
             with self.dist.full_weights(self.model):
@@ -353,7 +358,7 @@ class GRPOTrainer:
                     h_old, w_old = hidden_states(self.model, **inputs) / T, head.detach().clone()
         self.method.apply(update, scale)
         if sc.predictor == "secant":
-            stats["kl/trial_scale"] = at
+            stats.update({"kl/trial_scale": at, "kl/trials": trials})
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale,
                       "kl/predicted_stderr": stderr, "kl/probe_tokens": self.dist.all_sum(weight)[0]})
         if sc.measure_realized:
