@@ -356,18 +356,19 @@ def predict_kl_sampled(model: nn.Module, input_ids: torch.Tensor, attention_mask
                        position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
                        dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
                        population: Optional[int] = None, temperature: float = 1.0, predictor: str = "exact",
-                       at: float = 1.0) -> tuple[float, float]:
+                       at: float = 1.0, h_old: Optional[torch.Tensor] = None) -> tuple[float, float]:
     """(KL̂(1), its standard error) for a probe of ``input_ids.shape[0]`` sequences drawn from a batch
     of ``population`` (default: the probe is the batch, se = 0); see :func:`sampled_mean`.
 
     ``predictor``: "exact" (:func:`predict_kl`'s second-order term) or "secant" (the KL measured at the
-    trial scale ``at``, divided by at²: :func:`logra_core.kl_secant.trial_kl_terms`). Reading the
+    trial scale ``at``, divided by at²: :func:`logra_core.kl_secant.trial_kl_terms`, which takes the
+    probe's hidden states at θ as ``h_old`` when the caller has them). Reading the
     probe's value as the batch's KL carries a sampling error, stated by se. ``positions`` is required
     (the response tokens).
     """
     if positions is None:
         raise ValueError("predict_kl_sampled needs positions (the probe's response tokens)")
-    extra = {} if predictor == "exact" else {"at": at}
+    extra = {} if predictor == "exact" else {"at": at, "h_old": h_old}
     terms = predictor_terms(predictor)(model, input_ids, attention_mask, position_ids, lowrank, dense, positions,
                                        chunk, temperature, **extra)
     rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)[positions]

@@ -113,9 +113,13 @@ def shifted_kl(h_old: torch.Tensor, h_new: torch.Tensor, W: torch.Tensor, pieces
 def trial_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                    position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
                    dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
-                   temperature: float = 1.0, at: float = 1.0) -> torch.Tensor:
+                   temperature: float = 1.0, at: float = 1.0, h_old: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token KL(p_t(θ) ‖ p_t(θ + at·Δ)) / at² [T] at ``positions`` (row-major), at temperature T
-    (logits z/T: h and the head's pieces enter divided by T) — the secant reading of KL̂(1)."""
+    (logits z/T: h and the head's pieces enter divided by T) — the secant reading of KL̂(1).
+
+    ``h_old``: the last hidden states at θ at ``positions`` (T × d, before 1/T) when the caller kept
+    them from a forward it ran anyway (:class:`experiments.rl.probe_capture.ProbeCapture`); else one
+    more forward computes them."""
     if not at > 0:
         raise ValueError(f"trial_kl_terms: the trial scale must be > 0, got {at}")
     head = model.get_output_embeddings()
@@ -124,7 +128,8 @@ def trial_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: Op
     softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     if temperature != 1.0 and softcap:
         raise ValueError("trial_kl_terms: a sampling temperature != 1 with final-logit softcapping is not supported")
-    h_old = hidden_states(model, input_ids, attention_mask, position_ids, positions)
+    if h_old is None:
+        h_old = hidden_states(model, input_ids, attention_mask, position_ids, positions)
     h_new = trial_hidden_states(model, input_ids, attention_mask, position_ids, lowrank, dense, at, positions)
     if temperature != 1.0:
         h_old, h_new = h_old / temperature, h_new / temperature

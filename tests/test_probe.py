@@ -74,3 +74,31 @@ def test_secant_control_measures_at_the_last_scale_and_lands_on_kappa(tmp_path):
     resumed = GRPOTrainer(build_config([*cfg, "resume=true"]))
     assert resumed.kl_trial_scale == seen[-1]["step/scale"]
     resumed.close()
+
+
+@pytest.mark.integration
+def test_captured_probe_states_equal_a_forward_of_the_probe_batch(tmp_path):
+    """The hidden states kept from the update's micro-batches (trimmed to their own padding) are the
+    probe batch's at its response positions, in probe order."""
+    from experiments.rl.probe_capture import ProbeCapture
+    from experiments.rl.trainer import probe_inputs
+    from logra_core.kl_predictor import hidden_states
+
+    t = GRPOTrainer(build_config([*TINY, f"out_dir={tmp_path}", "eval.every=0", "method=logra", "logra.rank=4",
+                                  "step_control.predictor=secant", "step_control.probe_seqs=5"]))
+    torch.manual_seed(5)
+    rollouts = t.engine.generate(t._prompts(t.train_problems[:2]), n=4)
+    rows = torch.arange(8)
+    probe = t._probe(rows)
+    capture = ProbeCapture(t.model.get_decoder(), probe)
+    t.method.zero_grad()
+    t.accumulate_gradients(rollouts, torch.linspace(-1.5, 1.5, 8), [rows[:3], rows[3:6], rows[6:]], capture=capture)
+    got = capture.hidden()
+    capture.close()
+    inputs = probe_inputs(rollouts.select(probe), t.device)
+    expected = hidden_states(t.model, **inputs)
+    assert got is not None and got.shape == expected.shape and len(probe) == 5
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    record = t.train_step()  # the loop's own path: captured states, the secant's trial logged
+    assert record["kl/trial_scale"] == 1.0 and record["kl/trials"] >= 1 and record["kl/predicted"] > 0
+    t.close()
