@@ -41,7 +41,16 @@ def per_run_accuracy(runs: pd.DataFrame) -> pd.DataFrame:
         "mid_step": pd.Series(mid_step, dtype=float), "mid": pd.Series(mid, dtype=float),
         "end_step": last["step"], "end": last["eval/accuracy"],
         "problems": last["eval/num_problems"] if "eval/num_problems" in last else float("nan"),
+        "done": first["done"] if "done" in first else True,
     })
+
+
+def unfinished_note(per: pd.DataFrame) -> list[str]:
+    """A note naming how many runs of ``per_run_accuracy`` have no done.json (their "final" is the last
+    evaluation so far), or none."""
+    n = int((~per["done"].astype(bool)).sum())
+    return [f"{n} of {len(per)} runs not finished (no done.json): their final accuracy is their last evaluation "
+            "so far"] if n else []
 
 
 def table(runs: pd.DataFrame) -> Table:

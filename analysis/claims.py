@@ -165,5 +165,6 @@ def headline(runs: pd.DataFrame) -> list[str]:
         return intervals.headline(data)
     swept = set(zip(sweep["task_label"], sweep["variant"]))
     best = set(zip(sweep[sweep["best"]]["task_label"], sweep[sweep["best"]]["variant"]))
-    keep = [(t, v) not in swept or (t, v) in best for t, v in zip(data["task_label"], data["variant"])]
+    keep = pd.Series([(t, v) not in swept or (t, v) in best for t, v in zip(data["task_label"], data["variant"])],
+                     index=data.index, dtype=bool)
     return intervals.headline(data[keep])

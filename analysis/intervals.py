@@ -21,7 +21,7 @@ import math
 import pandas as pd
 
 from analysis import bootstrap
-from analysis.accuracy import per_run_accuracy
+from analysis.accuracy import per_run_accuracy, unfinished_note
 from analysis.cli import root_cli
 from analysis.render import GROUP, Absent, Table, dense_reference, fmt, mean_std, seed_note
 
@@ -57,6 +57,7 @@ def cells(runs: pd.DataFrame) -> dict[tuple[str, str], dict]:
 
 def table(runs: pd.DataFrame) -> Table:
     data_cells = cells(runs)
+    unfinished = unfinished_note(per_run_accuracy(runs))
     ref = dense_reference(runs)
     rows = []
     for (task, variant), c in data_cells.items():
@@ -90,6 +91,7 @@ def table(runs: pd.DataFrame) -> Table:
              "Δ ≥ −5 pp?: yes when Δ's interval lies above −5 pp, no when below, undecided when it straddles −5 pp"]
     notes.append("dense reference: " + "; ".join(f"{t}: {v}" for t, v in ref.items()) if ref
                  else "no dense run: no difference to dense")
+    notes += unfinished
     return Table("accuracy_intervals", "Final held-out accuracy with 95 % bootstrap intervals (seeds × problems)",
                  data, shown, notes)
 

@@ -20,7 +20,7 @@ import math
 
 import pandas as pd
 
-from analysis.accuracy import per_run_accuracy
+from analysis.accuracy import per_run_accuracy, unfinished_note
 from analysis.cli import root_cli
 from analysis.load import per_run
 from analysis.render import Absent, Table, colors, fmt, fmt_g, legend_right, line_styles, plain_log_ticks
@@ -69,7 +69,7 @@ def table(runs: pd.DataFrame) -> Table:
     notes = [f"greedy pass@1 on the held-out problems, mean over seeds; start = first evaluation, mid = step "
              f"{'/'.join(map(str, mids)) or '— (no middle evaluation)'}, final = step {'/'.join(map(str, ends))}",
              "best = highest final accuracy of the method (ties: higher mid, then smaller lr); one seed per rate "
-             "cannot separate rates a few points apart"]
+             "cannot separate rates a few points apart", *unfinished_note(per)]
     return Table("lr_sweep", "Learning-rate sweep: held-out accuracy per rate", data, shown, notes)
 
 

@@ -164,6 +164,13 @@ def test_lr_table_needs_two_rates(tmp_path):
         lr_sweep.table(load_runs(tmp_path))
 
 
+def test_unfinished_runs_are_named(tmp_path):
+    write_run(tmp_path, "dense-lr1e-5-s0", "dense", 0, {0: 0.1, 30: 0.7}, 1e-5)
+    (write_run(tmp_path, "dense-lr2e-5-s0", "dense", 0, {0: 0.1, 15: 0.5}, 2e-5) / "done.json").unlink()
+    notes = lr_sweep.table(load_runs(tmp_path)).notes
+    assert "1 of 2 runs not finished (no done.json): their final accuracy is their last evaluation so far" in notes
+
+
 def test_cli_renders_the_lr_sweep_and_its_summary_line(lr_root, tmp_path, capsys):
     out = tmp_path / "out"
     assert main([str(lr_root), "--out", str(out)]) == 0
@@ -278,6 +285,9 @@ def test_claims_say_not_run_when_inputs_are_absent(tmp_path, monkeypatch):
     write_run(root, "dense-s0", "dense", 0, {0: 0.1, 30: 0.7}, 1e-5)
     data = claims.table(root, load_runs(root)).data
     assert (data["measured"] == claims.NOT_RUN).all() and len(data) == 4
+    assert claims.headline(load_runs(root)) == []  # no logra run: no accuracy line
+    write_run(root, "dense-lr2e-5-s0", "dense", 0, {0: 0.1, 30: 0.6}, 2e-5)  # an lr sweep of dense alone
+    assert claims.headline(load_runs(root)) == []
 
 
 def test_cli_renders_the_reproduction(cpu_root, tmp_path, monkeypatch):
