@@ -28,7 +28,7 @@ PROBLEMS = 500
 
 
 def write_run(root: Path, name: str, method: str, seed: int, accs: dict[int, float], lr: float,
-              task: dict | None = None, control=None, embeddings: bool = False, sync_ratio: float | None = None) -> Path:
+              task: dict | None = None, control=None, embeddings: bool = False, sync_ratio: float | None = None, steps: int | None = None) -> Path:
     """A finished run: evaluations ``{step: accuracy}`` on PROBLEMS problems (accuracies are multiples
     of 1/500), a training step between them, the config keys the loader reads."""
     run = root / "runs" / f"{name}-{zlib.crc32(name.encode()):08x}"
@@ -39,7 +39,7 @@ def write_run(root: Path, name: str, method: str, seed: int, accs: dict[int, flo
     cfg = {"method": method, "seed": seed, "out_dir": str(run),
            "model": {"name": "smollm2-135m-instruct", "dtype": "float32"},
            "task": {"name": "arith", "seed": 0, "digits": 2, **(task or {})}, "rollout": {"engine": "shared"},
-           "train": {"steps": max(accs)}, "eval": {"every": 15, "size": PROBLEMS},
+           "train": {"steps": steps or max(accs)}, "eval": {"every": 15, "size": PROBLEMS},
            "step_control": {"enabled": control, "target_kl": 0.01}, method: section}
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     (run / "meta.json").write_text(json.dumps({"git_sha": "f" * 40}))
@@ -166,7 +166,7 @@ def test_lr_table_needs_two_rates(tmp_path):
 
 def test_unfinished_runs_are_named(tmp_path):
     write_run(tmp_path, "dense-lr1e-5-s0", "dense", 0, {0: 0.1, 30: 0.7}, 1e-5)
-    (write_run(tmp_path, "dense-lr2e-5-s0", "dense", 0, {0: 0.1, 15: 0.5}, 2e-5) / "done.json").unlink()
+    (write_run(tmp_path, "dense-lr2e-5-s0", "dense", 0, {0: 0.1, 15: 0.5}, 2e-5, steps=30) / "done.json").unlink()
     notes = lr_sweep.table(load_runs(tmp_path)).notes
     assert "1 of 2 runs not finished (no done.json): their final accuracy is their last evaluation so far" in notes
 
