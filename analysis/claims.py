@@ -45,16 +45,18 @@ class Source:
     folder: str
     file: str
 
+    def candidates(self, root: Path) -> list[Path]:
+        """The places to look, in order (each once)."""
+        paths = [root / self.own, root.parent / self.folder / self.file, REPO / "results" / self.folder / self.file]
+        return [p for i, p in enumerate(paths) if p.resolve() not in {q.resolve() for q in paths[:i]}]
+
     def find(self, root: Path) -> Path | None:
-        for path in (root / self.own, root.parent / self.folder / self.file, REPO / "results" / self.folder / self.file):
-            if path.exists():
-                return path
-        return None
+        return next((p for p in self.candidates(root) if p.exists()), None)
 
 
 SOURCES = {"memory": Source("memory/memory.csv", "memory_table", "memory.csv"),
            "time": Source("time/time.csv", "time_table", "time.csv"),
-           "sync": Source("", "quick", "")}  # runs: the root itself, else results/quick
+           "sync": Source(".", "quick", ".")}  # run directories: the root itself, else results/quick
 
 
 def _where(path: Path) -> str:
@@ -124,13 +126,11 @@ def time_rows(root: Path) -> list[dict]:
 
 def sync_rows(root: Path, runs: pd.DataFrame) -> list[dict]:
     claim = f"weight sync: bytes per step, {METHOD} / a full-weight sync"
-    candidates = [(root, runs)]
-    for other in (root.parent / SOURCES["sync"].folder, REPO / "results" / SOURCES["sync"].folder):
-        if other.is_dir() and other.resolve() != root.resolve():
-            candidates.append((other, None))
-    for where, frame in candidates:
+    for where in SOURCES["sync"].candidates(root):
+        if not where.is_dir():
+            continue
         try:
-            data = sync.table(frame if frame is not None else load_runs(where)).data
+            data = sync.table(runs if where == root / "." else load_runs(where)).data
         except Absent:
             continue
         mine = data[_method_rows(data["variant"])]

@@ -279,6 +279,17 @@ def test_claims_table_rows_and_sources(cpu_root, cpu_runs, monkeypatch, tmp_path
     assert data["results"].iloc[0].endswith("memory") and data["results"].iloc[5].endswith("time")
 
 
+def test_claims_fall_back_to_the_committed_folders(tmp_path, monkeypatch):
+    monkeypatch.setattr(claims, "REPO", tmp_path / "nowhere")
+    root = make_cpu_root(tmp_path / "results" / "cpu", memory_csv=False, time_csv=False)
+    make_cpu_root(tmp_path / "elsewhere")  # its memory/ and time/ moved where the claims look next
+    (tmp_path / "elsewhere" / "memory").rename(tmp_path / "results" / "memory_table")
+    (tmp_path / "elsewhere" / "time").rename(tmp_path / "results" / "time_table")
+    data = claims.table(root, load_runs(root)).data
+    assert data["results"].iloc[0].endswith("results/memory_table") and data["measured"].iloc[0].startswith("0.600 (logra)")
+    assert data["results"].iloc[5].endswith("results/time_table") and data["measured"].iloc[5].startswith("1.47")
+
+
 def test_claims_say_not_run_when_inputs_are_absent(tmp_path, monkeypatch):
     monkeypatch.setattr(claims, "REPO", tmp_path / "nowhere")
     root = tmp_path / "bare"
