@@ -232,16 +232,14 @@ def rotation(items: list, r: int) -> list:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from baselines import METHODS
-    from experiments.common.cli import fail, parse, parse_methods
+    from experiments.common.cli import fail, parse_methods, parse_tool
     from experiments.common.config import ConfigError
-    from experiments.config import run_keys
 
     try:
-        parsed, overrides, _ = parse(TimeTableArgs, argv, doc=__doc__, run_keys=run_keys)
-        parse_methods(parsed.methods, known=METHODS)
+        args, overrides = parse_tool(TimeTableArgs, argv, __doc__)
+        parse_methods(args["methods"], known=METHODS)
     except ConfigError as e:
         return fail(e, "experiments.time_table")
-    args = {k: str(v) for k, v in asdict(parsed).items()}
     args["overrides"] = profile_overrides(args["profile"]) + overrides
     from experiments.common.provenance import git_sha
 

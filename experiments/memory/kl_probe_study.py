@@ -204,16 +204,14 @@ def summary(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from experiments.common.cli import fail, parse
+    from experiments.common.cli import fail, parse_tool
     from experiments.common.config import ConfigError
     from experiments.common.provenance import git_sha
-    from experiments.config import run_keys
 
     try:
-        parsed, overrides, _ = parse(ProbeStudyArgs, argv, doc=__doc__, run_keys=run_keys)
+        args, overrides = parse_tool(ProbeStudyArgs, argv, __doc__)
     except ConfigError as e:
         return fail(e, "experiments.memory.kl_probe_study")
-    args = {k: str(v) for k, v in asdict(parsed).items()}
 
     rows, meta = run(args, overrides)
     out = Path(args["out"])
