@@ -243,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     args["overrides"] = profile_overrides(args["profile"]) + overrides
     from experiments.common.provenance import git_sha
 
+    sha = git_sha()  # the code this run imports: read before it runs
+
     specs = [m.strip() for m in args["methods"].split(",") if m.strip()]
     repeats, warmup = int(args["repeats"]), int(args["warmup"])
     if repeats < 1 or warmup < 0:
@@ -261,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
             for t in rotation(timers, r):
                 samples[t.spec].append(t.step(seed=1000 + r))  # the same seed for every method in a round
                 print(f"[time_table] round {r + 1}/{repeats} {t.spec}: step {samples[t.spec][-1]['step']:.3f} s", flush=True)
-    sha = git_sha()
     rows = summarize(samples, args["model"], device, sha)
     out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)

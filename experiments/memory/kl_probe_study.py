@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail(e, "experiments.memory.kl_probe_study")
 
+    sha = git_sha()  # the code this run imports: read before it runs (edits during a long run would show as -dirty)
     rows, meta = run(args, overrides)
     out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows(rows)
     (out / "probe_study.json").write_text(json.dumps({
-        "command": "python -m experiments.memory.kl_probe_study " + " ".join(argv), "git_sha": git_sha(),
+        "command": "python -m experiments.memory.kl_probe_study " + " ".join(argv), "git_sha": sha,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "settings": args, "overrides": overrides,
         **meta}, indent=1))
     figure(rows, out)
