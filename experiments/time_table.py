@@ -234,9 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     from baselines import METHODS
     from experiments.common.cli import fail, parse_methods, parse_tool
     from experiments.common.config import ConfigError
+    from experiments.config import run_keys
 
     try:
-        args, overrides = parse_tool(TimeTableArgs, argv, __doc__)
+        args, overrides = parse_tool(TimeTableArgs, argv, __doc__, run_keys)
         parse_methods(args["methods"], known=METHODS)
     except ConfigError as e:
         return fail(e, "experiments.time_table")

@@ -72,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from experiments.common.cli import fail, parse_tool
     from experiments.common.config import ConfigError
+    from experiments.config import run_keys
     from experiments.common.provenance import git_sha
 
     try:
-        args, overrides = parse_tool(StepProfileArgs, argv, __doc__)
+        args, overrides = parse_tool(StepProfileArgs, argv, __doc__, run_keys)
     except ConfigError as e:
         return fail(e, "experiments.memory.step_profile")
 
