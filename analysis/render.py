@@ -15,6 +15,7 @@ import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
 GROUP = ["task_label", "variant"]  # one experiment = a task × a method variant, repeated over seeds
+REFERENCE = "dense"  # the method every "× dense" and "Δ vs dense" column divides by or subtracts
 
 
 class Absent(Exception):
@@ -117,7 +118,7 @@ def dense_reference(runs: pd.DataFrame) -> dict[str, str]:
     learning rates), the one with the best mean final ``eval/accuracy`` over its seeds (the
     strongest baseline); without evaluations the first by name. A variant's method is the first
     word of its label."""
-    dense = runs[runs["variant"].str.split(" ").str[0] == "dense"]
+    dense = runs[runs["variant"].str.split(" ").str[0] == REFERENCE]
     if dense.empty:
         return {}
     if "eval/accuracy" in dense:

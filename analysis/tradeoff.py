@@ -22,7 +22,7 @@ import yaml
 
 from analysis import intervals, memory
 from analysis.load import per_run
-from analysis.render import GROUP, Absent, colors, line_styles
+from analysis.render import GROUP, REFERENCE, Absent, colors, line_styles
 
 DODGE = 0.015  # x offset between variants that share a memory row (× dense units), so their bars do not overlap
 
@@ -70,7 +70,7 @@ def points(root_memory: pd.DataFrame | None, runs: pd.DataFrame) -> tuple[pd.Dat
     configs = per_run(runs).drop_duplicates(GROUP).set_index(GROUP)
     try:
         step = memory.step_table(root_memory).data
-        dense = step[step["method"] == "dense"]
+        dense = step[step["method"] == REFERENCE]
         source = "memory.csv"
     except Absent:
         step = None
