@@ -50,6 +50,7 @@ class PlanArgs:
     attention: Optional[str] = None  # sdpa | eager; default eager for Gemma-2, else sdpa
     rollout_share: Optional[float] = None  # fraction of the GPU a colocated vLLM engine reserves; default 0.3
     other_gb: Optional[float] = None  # CUDA context and allocator slack, GB; default 1.0
+    out: str = ""  # also write one CSV row per entry here (GiB per GPU by category, total, peak, verdict); "" = print only
 
 
 def entry_args(spec, argv: list[str]) -> PlanArgs:
@@ -84,14 +85,36 @@ def main(argv=None) -> int:
     plans = []
     try:
         for s, a in entries:
-            kwargs = {k: v for k, v in vars(a).items() if v is not None and k not in ("model", "methods")}
+            kwargs = {k: v for k, v in vars(a).items() if v is not None and k not in ("model", "methods", "out")}
             p = plan(args.model, s.method, **kwargs)
             p.method = s.label
             plans.append(p)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     print("\n\n".join(p.table() for p in plans))
+    if args.out:
+        write_csv(plans, args.out)
     return 0
+
+
+def write_csv(plans, path) -> None:
+    """One row per plan: GiB per GPU by category, weights + grads + optimizer, the total, where the peak is."""
+    import csv
+    from pathlib import Path
+
+    gib = 2**30
+    rows = []
+    for p in plans:
+        c = p.categories
+        rows.append({"model": p.model, "method": p.method, **{k: round(v / gib, 3) for k, v in c.items()},
+                     "weights_grads_optimizer": round((c["params"] + c["grads"] + c["optimizer"]) / gib, 3),
+                     "total": round(p.total_bytes / gib, 3), "capacity": round(p.capacity_bytes / gib, 1),
+                     "fits": p.fits, "peak_at": p.peak_at})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
 
 
 if __name__ == "__main__":
