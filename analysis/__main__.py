@@ -7,19 +7,15 @@ saying why. See ``analysis/report.py``.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from analysis.cli import root_cli
 from analysis.report import build
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n\n")[0])
-    ap.add_argument("root", type=Path, help="results root, e.g. results/quick")
-    ap.add_argument("--out", type=Path, help="write tables/ and figures/ here instead of under the root")
-    args = ap.parse_args(argv)
-    if not args.root.is_dir():
-        ap.error(f"{args.root} is not a directory")
+    args = root_cli("python -m analysis", __doc__, argv, extra=[
+        ("--out", {"type": Path, "help": "write tables/ and figures/ here instead of under the root"})])
     build(args.root, args.out)
     return 0
 

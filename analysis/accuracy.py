@@ -11,15 +11,17 @@ is the reference (named in the notes; the same in every table).
 
 from __future__ import annotations
 
-import sys
-
 import pandas as pd
 
+from analysis.cli import root_cli
 from analysis.render import GROUP, Absent, Table, dense_reference, fmt, mean_std, seed_note
 
 
 def per_run_accuracy(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per run that evaluated: start/end accuracy and the steps they were taken at."""
+    """One row per run that evaluated: start/mid/end accuracy and the steps they were taken at.
+
+    ``mid`` is the evaluation strictly between the first and the last whose step is nearest their
+    midpoint (the earlier on a tie: step 15 of evaluations at 0, 15, 30); NaN with fewer than three."""
     if "eval/accuracy" not in runs:
         raise Absent("no run logged eval/accuracy")
     evals = runs.dropna(subset=["eval/accuracy"]).sort_values(["run", "step"])
@@ -27,12 +29,28 @@ def per_run_accuracy(runs: pd.DataFrame) -> pd.DataFrame:
         raise Absent("no run logged eval/accuracy")
     grouped = evals.groupby("run")
     first, last = grouped.head(1).set_index("run"), grouped.tail(1).set_index("run")
+    mid_step, mid = {}, {}
+    for run, of_run in grouped:
+        inner = of_run.iloc[1:-1]
+        if len(inner):
+            at = (inner["step"] - (of_run["step"].iloc[0] + of_run["step"].iloc[-1]) / 2).abs().idxmin()
+            mid_step[run], mid[run] = inner.loc[at, "step"], inner.loc[at, "eval/accuracy"]
     return pd.DataFrame({
-        "task_label": first["task_label"], "variant": first["variant"], "method": first["method"],
-        "seed": first["seed"], "start_step": first["step"], "start": first["eval/accuracy"],
+        "task_label": first["task_label"], "variant": first["variant"], "family": first["family"],
+        "method": first["method"], "seed": first["seed"], "start_step": first["step"], "start": first["eval/accuracy"],
+        "mid_step": pd.Series(mid_step, dtype=float), "mid": pd.Series(mid, dtype=float),
         "end_step": last["step"], "end": last["eval/accuracy"],
         "problems": last["eval/num_problems"] if "eval/num_problems" in last else float("nan"),
+        "done": first["done"] if "done" in first else True,
     })
+
+
+def unfinished_note(per: pd.DataFrame) -> list[str]:
+    """A note naming how many runs of ``per_run_accuracy`` have no done.json (their "final" is the last
+    evaluation so far), or none."""
+    n = int((~per["done"].astype(bool)).sum())
+    return [f"{n} of {len(per)} runs not finished (no done.json): their final accuracy is their last evaluation "
+            "so far"] if n else []
 
 
 def table(runs: pd.DataFrame) -> Table:
@@ -69,11 +87,12 @@ def table(runs: pd.DataFrame) -> Table:
     return Table("accuracy", "Held-out accuracy at the start and the end of training", data, shown, notes)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     from analysis.load import load_runs
 
-    print(table(load_runs((argv or sys.argv[1:])[0])).markdown(), end="")
+    print(table(load_runs(root_cli("python -m analysis.accuracy", __doc__, argv).root)).markdown(), end="")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -21,12 +21,12 @@ and on what else ran on it: a time ratio far from 1 says "look", not "slower cod
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pandas as pd
 
 from analysis import accuracy, memory
+from analysis.cli import root_cli
 from analysis.load import load_memory_csv, load_runs
 from analysis.render import GROUP, Absent, Table, fmt, fmt_g
 
@@ -214,12 +214,8 @@ def report(this_root: str | Path, ref_root: str | Path) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m analysis.compare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("root", type=Path, help="this run's results root, e.g. runs/quick")
-    ap.add_argument("reference", type=Path, help="the reference root, e.g. results/quick")
-    args = ap.parse_args(argv)
-    if not args.root.is_dir():
-        ap.error(f"{args.root} is not a directory")
+    args = root_cli("python -m analysis.compare", __doc__, argv, root_help="this run's results root, e.g. runs/quick",
+                    extra=[("reference", {"type": Path, "help": "the reference root, e.g. results/quick"})])
     print(report(args.root, args.reference), end="")
     return 0
 

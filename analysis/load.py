@@ -19,7 +19,7 @@ trainer's ``out_dir``), at any depth; ``checkpoints/`` folders are not searched.
 - ``git_sha`` from ``meta.json`` and ``done`` (a ``done.json`` marker from the launcher is there);
 - the metric columns with their namespaced keys (``reward/mean``, ``eval/accuracy``, ``mem/...``;
   documented in ``experiments/rl/metrics.py``), NaN where a step did not log a key;
-- ``task_label`` and ``variant``: what the tables group by (below).
+- ``task_label``, ``variant`` and ``family``: what the tables group by (below).
 
 Grouping. Runs that differ only in seed are repeats of one experiment. :func:`label_runs` names
 the experiment: ``task_label`` is ``task.name`` plus the ``task.*`` keys that differ between runs
@@ -28,7 +28,9 @@ of that task (``arith digits=3``) and, when the root holds several models, the m
 the method plus the keys of its own config section and of the shared sections (model settings,
 rollout, train, eval, step_control) that differ between its runs on some task (``logra lr=4e-05``,
 ``logra target_kl=0.01``), named by the same keys on every task. Seeds, paths, devices, logging
-and checkpointing never make a variant.
+and checkpointing never make a variant. ``family`` is the variant without its learning-rate keys
+(:func:`is_rate_key`: ``logra`` and ``logra step_control.enabled=False`` in a learning-rate sweep):
+the runs a learning-rate sweep compares along its rates.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ CONFIG, METRICS, META, DONE = "config.yaml", "metrics.jsonl", "meta.json", "done
 MEMORY_CSV = Path("memory") / "memory.csv"
 MEMORY_COLUMNS = ["method", "model", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes",
                   "activations_bytes", "peak_rss_bytes", "planner_bytes", "git_sha"]
+EMPTY_COLUMNS = ["run", "step", "method", "seed", "task_label", "variant", "family"]  # a root without runs
 SKIP_DIRS = {"checkpoints", "tb", "tables", "figures", "__pycache__", ".ipynb_checkpoints"}
 
 # Config keys that never define an experiment: repeats, bookkeeping, where things live.
@@ -116,7 +119,7 @@ def load_runs(root: str | Path) -> pd.DataFrame:
         else:
             frames.append(frame)
     if not frames:
-        return pd.DataFrame(columns=["run", "step", "method", "seed", "task_label", "variant"])
+        return pd.DataFrame(columns=EMPTY_COLUMNS)
     return label_runs(pd.concat(frames, ignore_index=True))
 
 
@@ -137,7 +140,7 @@ def load_dirs(run_dirs) -> pd.DataFrame:
             continue
         frames.append(frame.assign(run=name if names.count(name) == 1 else str(d)))
     if not frames:
-        return pd.DataFrame(columns=["run", "step", "method", "seed", "task_label", "variant"])
+        return pd.DataFrame(columns=EMPTY_COLUMNS)
     return label_runs(pd.concat(frames, ignore_index=True))
 
 
@@ -160,8 +163,16 @@ def per_run(runs: pd.DataFrame) -> pd.DataFrame:
 
 def _differing(configs: pd.DataFrame, keys: list[str]) -> list[str]:
     """Keys with more than one value among the runs that have them (a key that older runs lack
-    does not count as a difference)."""
-    return [k for k in keys if configs[k].dropna().astype(str).nunique() > 1]
+    does not count as a difference; a YAML ``null`` is a value: ``step_control.enabled: null``, the
+    method's default, differs from ``false``)."""
+    return [k for k in keys if configs[k].map(lambda v: "null" if v is None else v).dropna().astype(str).nunique() > 1]
+
+
+def is_rate_key(key: str) -> bool:
+    """A learning-rate key (``dense.lr``, ``logra.dense_lr``): what a learning-rate sweep varies, so not
+    part of a run's ``family``."""
+    last = key.rsplit(".", 1)[-1]
+    return last == "lr" or last.endswith("_lr")
 
 
 def _label(head: str, row: pd.Series, keys: list[str], names: dict[str, str]) -> str:
@@ -192,12 +203,12 @@ def _defines_experiment(key: str) -> bool:
 
 
 def label_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    """Add ``task_label`` and ``variant`` (see the module docstring)."""
+    """Add ``task_label``, ``variant`` and ``family`` (see the module docstring)."""
     runs = runs.assign(**{c: runs[c].fillna("?") if c in runs else "?" for c in ("method", "task.name")})
     configs = per_run(runs)
     config_keys = [c for c in configs.columns
                    if "/" not in c and c not in ("run", "run_dir", "git_sha", "done", "step") and _defines_experiment(c)]
-    task_label, variant = {}, {}
+    task_label, variant, family = {}, {}, {}
     several_models = "model.name" in configs and configs["model.name"].dropna().nunique() > 1
     for task, group in configs.groupby("task.name"):
         keys = _differing(group, [k for k in config_keys if k.startswith("task.") and k != "task.name"])
@@ -216,14 +227,20 @@ def label_runs(runs: pd.DataFrame) -> pd.DataFrame:
         keys = [k for k in candidates if k in differing]
         names = _short_names(config_keys, f"{method}.")
         variant.update({run: _label(str(method), row, keys, names) for run, row in group.iterrows()})
-    return runs.assign(task_label=runs["run"].map(task_label), variant=runs["run"].map(variant))
+        fixed = [k for k in keys if not is_rate_key(k)]
+        family.update({run: _label(str(method), row, fixed, names) for run, row in group.iterrows()})
+    return runs.assign(task_label=runs["run"].map(task_label), variant=runs["run"].map(variant),
+                       family=runs["run"].map(family))
 
 
 def load_memory_csv(root: str | Path) -> pd.DataFrame | None:
     """``<root>/memory/memory.csv`` (written by ``python -m experiments.memory_table``), or None."""
     path = Path(root) / MEMORY_CSV
-    if not path.exists():
-        return None
+    return read_memory_csv(path) if path.exists() else None
+
+
+def read_memory_csv(path: str | Path) -> pd.DataFrame:
+    """A memory.csv wherever it is (``results/memory_table/memory.csv``), its columns checked."""
     table = pd.read_csv(path)
     if "method" not in table.columns or "peak_bytes" not in table.columns:
         raise ValueError(f"{path}: expected columns {MEMORY_COLUMNS}, got {list(table.columns)}")

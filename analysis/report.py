@@ -2,7 +2,9 @@
 
 Loads every run directory under the root (``analysis.load``) and ``<root>/memory/memory.csv``
 and ``<root>/time/time.csv`` when present, then writes ``<out>/tables/<name>.md|.tex`` (and ``runs.csv``, the tidy per-step
-DataFrame) and ``<out>/figures/<name>.png|.pdf``; ``--out`` defaults to the root. An output whose
+DataFrame) and ``<out>/figures/<name>.png|.pdf``, and ``<out>/tables/summary.md``: the headline
+lines (each method's best learning rate, each method's accuracy difference to dense with its
+interval) a results README opens with; ``--out`` defaults to the root. An output whose
 data is absent (no run synced weights, no memory.csv, ...) is skipped with one line saying why.
 """
 
@@ -14,7 +16,7 @@ from typing import Callable
 
 import pandas as pd
 
-from analysis import accuracy, kl, learning, memory, steptime, sync
+from analysis import accuracy, claims, intervals, kl, learning, lr_sweep, memory, steptime, sync, tradeoff
 from analysis.load import load_memory_csv, load_runs
 from analysis.render import Absent, Table, save_figure
 
@@ -31,18 +33,29 @@ TABLES: dict[str, Callable[[Results], Table]] = {
     "memory_runs": lambda r: memory.runs_table(r.runs),
     "time_step": lambda r: steptime.step_table(steptime.load_time_csv(r.root)),
     "accuracy": lambda r: accuracy.table(r.runs),
+    "accuracy_intervals": lambda r: intervals.table(r.runs),
+    "lr_sweep": lambda r: lr_sweep.table(r.runs),
     "sync": lambda r: sync.table(r.runs),
     "kl": lambda r: kl.table(r.runs),
+    "claims": lambda r: claims.table(r.root, r.runs),
 }
 FIGURES: dict[str, Callable[[Results], object]] = {
     "memory": lambda r: memory.figure(r.memory, r.runs),
+    "memory_accuracy": lambda r: tradeoff.figure(r.memory, r.runs),
+    "lr_sweep": lambda r: lr_sweep.figure(r.runs),
     "curves": lambda r: learning.figure(r.runs),
     "kl_scatter": lambda r: kl.scatter(r.runs),
     "scale_trace": lambda r: kl.scale_trace(r.runs),
     "sync_bytes": lambda r: sync.figure(r.runs),
 }
+# The headline lines of tables/summary.md: what a results README says first.
+HEADLINES: dict[str, Callable[[Results], list[str]]] = {
+    "best learning rates": lambda r: lr_sweep.headline(r.runs),
+    "accuracy vs dense": lambda r: claims.headline(r.runs),
+}
+SUMMARY = "summary.md"
 # Columns of runs.csv besides the metrics: what names a run and where it came from.
-RUN_COLUMNS = ["run", "task_label", "variant", "method", "seed", "model.name", "task.name", "git_sha", "done"]
+RUN_COLUMNS = ["run", "task_label", "variant", "family", "method", "seed", "model.name", "task.name", "git_sha", "done"]
 
 
 def load(root: str | Path) -> Results:
@@ -87,6 +100,21 @@ def build(root: str | Path | Results, out: str | Path | None = None, log=print) 
             log(f"[analysis] skipped figure {name}: {fig}")
         else:
             written += save_figure(fig, out / "figures", name)
+    lines = summary_lines(results)
+    if lines:
+        path = out / "tables" / SUMMARY
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"# Summary of {results.root}\n\n" + "".join(f"- {line}\n" for line in lines))
+        written.append(path)
     for path in written:
         log(f"wrote {path}")
     return written
+
+
+def summary_lines(results: Results) -> list[str]:
+    """Every headline line whose data is there (``HEADLINES``), in order."""
+    lines = []
+    for make in HEADLINES.values():
+        got = _try(make, results)
+        lines += [] if isinstance(got, str) else got
+    return lines

@@ -19,8 +19,11 @@ PHASES = ["rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync
 def load_time_csv(root: str | Path) -> pd.DataFrame | None:
     """``<root>/time/time.csv``, or None when absent."""
     path = Path(root) / TIME_CSV
-    if not path.exists():
-        return None
+    return read_time_csv(path) if path.exists() else None
+
+
+def read_time_csv(path: str | Path) -> pd.DataFrame:
+    """A time.csv wherever it is (``results/time_table/time.csv``), its columns checked."""
     table = pd.read_csv(path)
     missing = {"method", "phase", "median_s", "x_dense"} - set(table.columns)
     if missing:

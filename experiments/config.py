@@ -91,7 +91,10 @@ class RunConfig:
 
 # The version of the run-key scheme and of the defaults it assumes: bump it when a changed default
 # changes what existing runs compute (their keys then change, and a sweep redoes them).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: step_control.predictor's default became secant; step control's keys count only where it is on
+# Keys whose default changed after runs were saved without them: a saved config that lacks the key ran
+# with this value (its run key, and a resume's check for changed keys, see what it computed).
+FORMER_DEFAULTS = {"step_control.predictor": "exact"}
 # Keys that do not change what a run computes: where it lives, whether it resumes, threads, logging
 # (log.*), where the converted model is cached and where the data files sit.
 NOT_IDENTITY = ("out_dir", "resume", "threads", "log", "model.cache_dir", "task.data_dir")
@@ -197,9 +200,18 @@ def to_yaml(cfg: DictConfig) -> str:
 # ---- run identity ------------------------------------------------------------------------------
 def _flat_run(cfg: DictConfig | dict) -> dict[str, Any]:
     """The flattened config with its own method's section only (a config saved before run configs held
-    one section holds every method's: the others are ignored)."""
+    one section holds every method's: the others are ignored), a key it lacks that is in
+    :data:`FORMER_DEFAULTS` filled with the value it ran with, and step control's other keys dropped
+    where step control is off (they change nothing such a run computes)."""
     data = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    return flatten(_own_sections(data, data.get("method", RunConfig.method)))
+    method = data.get("method", RunConfig.method)
+    flat = flatten(_own_sections(data, method))
+    for key, value in FORMER_DEFAULTS.items():
+        flat.setdefault(key, value)
+    enabled = flat.get("step_control.enabled")
+    if not (METHODS[method].step_control_default if enabled is None and method in METHODS else enabled):
+        flat = {k: v for k, v in flat.items() if not k.startswith("step_control.") or k == "step_control.enabled"}
+    return flat
 
 
 def _is_identity(key: str) -> bool:

@@ -19,7 +19,9 @@ destination is replaced, keeping only its ``README.md``.
 What is copied: each finished run directory and the root's other data folders (``memory/``,
 ``time/``, ...), without ``checkpoints/``, ``submitit/`` logs and anything git ignores at the
 destination. ``summary.csv`` (the launcher's run list) and the analysis step's ``tables/`` and
-``figures/`` are then rewritten from the destination's own runs.
+``figures/`` are then rewritten from the destination's own runs, and the headline lines of
+``tables/summary.md`` (each method's best learning rate, logra − dense with its interval) printed
+for the destination's README.
 """
 
 from __future__ import annotations
@@ -142,10 +144,13 @@ def publish(sweep_name: str, root: str | None = None, to: str | None = None, ext
         log(f"{dest}/runs also holds {len(stale)} runs of an earlier publish that this sweep no longer lists: "
             + ", ".join(stale[:5]) + (" ..." if len(stale) > 5 else "") + " (a full publish removes them)")
     if analyse:
-        from analysis.report import build
+        from analysis.report import SUMMARY, build
 
         build(dest, log=lambda line: None)
         log(f"tables and figures of {dest} rewritten (python -m analysis {dest})")
+        summary = dest / "tables" / SUMMARY
+        if summary.exists():  # the headline lines (best rates, accuracy vs dense) for the README
+            log(f"{summary}:\n" + "\n".join(line for line in summary.read_text().splitlines() if line.startswith("- ")))
     log(f"next: say in {dest}/README.md what was run and left out, then git add {dest}")
     return dest
 

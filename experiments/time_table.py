@@ -5,8 +5,8 @@
 
 Every method is built once (a :class:`~experiments.rl.trainer.GRPOTrainer` each, all alive in this
 process), then timed step after step in interleaved order — a warm-up step per method first (not
-timed), then ``repeats`` rounds, the order reversed every other round (A B C, C B A, ...) so that a
-slow drift of the machine falls on every method alike. The phases are the trainer's own
+timed), then ``repeats`` rounds, the order rotated every round (A B C, B C A, C A B, ...: :func:`rotation`) so
+that a slow drift of the machine falls on every method alike and no method steps twice in a row. The phases are the trainer's own
 (``GRPOTrainer._phase``, timed by wrapping it; on CUDA with a device synchronisation at each edge):
 
     rollout       sampling the group completions on the engine (``rollout.engine``)
@@ -67,7 +67,7 @@ class TimeTableArgs:
     out: str = "results/time_table"  # output folder: time.csv, time.json, time.png/.pdf
     methods: str = DEFAULT_METHODS  # methods, each with optional overrides: logra:step_control.enabled=false
     model: str = "smollm2-135m-instruct"  # model.name of every run
-    repeats: int = 5  # timed rounds (the order reversed every other round)
+    repeats: int = 5  # timed rounds (the order rotated every round)
     warmup: int = 1  # untimed steps per method first
     profile: str = "quick"  # the sweep whose base gives the step's shapes (none: the run config's defaults)
 
@@ -220,19 +220,26 @@ def print_table(rows: list[dict]) -> None:
         print(f"{m:<58}" + "".join(f"{by[(m, p)]['x_dense']:>13.3f}" for p in cols))
 
 
+def rotation(items: list, r: int) -> list:
+    """Round r's order: the list rotated by r (A B C, B C A, C A B, ...). Over n rounds every method
+    takes every position once, and no method ever steps twice in a row across a round boundary —
+    which the earlier A…F, F…A order did for the first and last method (the two fastest rollouts of
+    the first committed table: a method stepping right after itself may find its memory warm)."""
+    k = r % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from baselines import METHODS
-    from experiments.common.cli import fail, parse, parse_methods
+    from experiments.common.cli import fail, parse_methods, parse_tool
     from experiments.common.config import ConfigError
-    from experiments.config import run_keys
 
     try:
-        parsed, overrides, _ = parse(TimeTableArgs, argv, doc=__doc__, run_keys=run_keys)
-        parse_methods(parsed.methods, known=METHODS)
+        args, overrides = parse_tool(TimeTableArgs, argv, __doc__)
+        parse_methods(args["methods"], known=METHODS)
     except ConfigError as e:
         return fail(e, "experiments.time_table")
-    args = {k: str(v) for k, v in asdict(parsed).items()}
     args["overrides"] = profile_overrides(args["profile"]) + overrides
     from experiments.common.provenance import git_sha
 
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             for t in timers:
                 t.step(seed=w)
         for r in range(repeats):
-            for t in (timers if r % 2 == 0 else timers[::-1]):
+            for t in rotation(timers, r):
                 samples[t.spec].append(t.step(seed=1000 + r))  # the same seed for every method in a round
                 print(f"[time_table] round {r + 1}/{repeats} {t.spec}: step {samples[t.spec][-1]['step']:.3f} s", flush=True)
     sha = git_sha()

@@ -29,6 +29,7 @@ tied to the input embedding moves with the embedding's entry, under either modul
 
 from __future__ import annotations
 
+import importlib
 from contextlib import ExitStack
 from typing import Optional, Sequence, Union
 
@@ -338,19 +339,38 @@ def sampled_mean(terms: torch.Tensor, rows: torch.Tensor, population: int) -> tu
     return mean, se
 
 
+# The per-token terms of KL̂(1), by predictor: "exact" (the second-order term, a forward-mode tangent:
+# this module) or "secant" (the KL measured at a trial scale ε, divided by ε²: logra_core/kl_secant.py).
+PREDICTORS = {"exact": "logra_core.kl_predictor:predict_kl_terms", "secant": "logra_core.kl_secant:trial_kl_terms"}
+
+
+def predictor_terms(name: str):
+    """The per-token terms function registered as ``name`` in :data:`PREDICTORS`."""
+    if name not in PREDICTORS:
+        raise ValueError(f"unknown KL predictor {name!r}; known: {sorted(PREDICTORS)}")
+    module, attr = PREDICTORS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def predict_kl_sampled(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                        position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
                        dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
-                       population: Optional[int] = None, temperature: float = 1.0) -> tuple[float, float]:
+                       population: Optional[int] = None, temperature: float = 1.0, predictor: str = "exact",
+                       at: float = 1.0, h_old: Optional[torch.Tensor] = None) -> tuple[float, float]:
     """(KL̂(1), its standard error) for a probe of ``input_ids.shape[0]`` sequences drawn from a batch
     of ``population`` (default: the probe is the batch, se = 0); see :func:`sampled_mean`.
 
-    The prediction on the probe is the exact path's (:func:`predict_kl`); only its reading as the
-    batch's KL carries a sampling error, stated by se. ``positions`` is required (the response tokens).
+    ``predictor``: "exact" (:func:`predict_kl`'s second-order term) or "secant" (the KL measured at the
+    trial scale ``at``, divided by at²: :func:`logra_core.kl_secant.trial_kl_terms`, which takes the
+    probe's hidden states at θ as ``h_old`` when the caller has them). Reading the
+    probe's value as the batch's KL carries a sampling error, stated by se. ``positions`` is required
+    (the response tokens).
     """
     if positions is None:
         raise ValueError("predict_kl_sampled needs positions (the probe's response tokens)")
-    terms = predict_kl_terms(model, input_ids, attention_mask, position_ids, lowrank, dense, positions, chunk, temperature)
+    extra = {} if predictor == "exact" else {"at": at, "h_old": h_old}
+    terms = predictor_terms(predictor)(model, input_ids, attention_mask, position_ids, lowrank, dense, positions,
+                                       chunk, temperature, **extra)
     rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)[positions]
     return sampled_mean(terms, rows.to(terms.device), population or positions.shape[0])
 

@@ -244,9 +244,10 @@ def test_cli_writes_every_table_and_figure(root, tmp_path, capsys):
     out = tmp_path / "out"
     assert main([str(root), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    tables = {"memory_step", "memory_runs", "time_step", "accuracy", "sync", "kl"}
-    figures = {"memory", "curves", "kl_scatter", "scale_trace", "sync_bytes"}
-    assert {p.stem for p in (out / "tables").glob("*.md")} == tables
+    tables = {"memory_step", "memory_runs", "time_step", "accuracy", "accuracy_intervals", "lr_sweep", "sync", "kl",
+              "claims"}  # lr_sweep: dense ran at two rates on arith
+    figures = {"memory", "memory_accuracy", "lr_sweep", "curves", "kl_scatter", "scale_trace", "sync_bytes"}
+    assert {p.stem for p in (out / "tables").glob("*.md")} == tables | {"summary"}
     assert {p.stem for p in (out / "tables").glob("*.tex")} == tables
     assert {p.stem for p in (out / "figures").glob("*.png")} == figures
     for name in figures:

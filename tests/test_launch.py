@@ -408,3 +408,31 @@ def test_migrate_renames_old_keyed_run_dirs_so_the_sweep_skips_them(tmp_path):
     assert load_sweep(sweep).runs()[0].done and not old_dir.exists()
     assert OmegaConf.load(run.run_dir / "config.yaml").out_dir == str(run.run_dir)
     assert migrate(tmp_path / "root") == []  # idempotent
+
+
+def test_a_config_saved_before_a_default_changed_keeps_what_it_ran_with():
+    """step_control.predictor became secant: a logra run saved without the key ran the exact path, so
+    its key is an explicit exact run's, and resuming it under the new default is a reported change;
+    a dense run (control off) is untouched by step control's keys."""
+    from omegaconf import OmegaConf
+
+    from experiments.config import config_diff, run_key
+
+    def saved(*overrides):  # a config as a run before the key existed wrote it
+        data = OmegaConf.to_container(build_config(list(overrides)), resolve=True)
+        del data["step_control"]["predictor"]
+        return data
+
+    old_logra = saved("method=logra")
+    assert run_key(old_logra) == run_key(build_config(["method=logra", "step_control.predictor=exact"]))
+    assert run_key(old_logra) != run_key(build_config(["method=logra"]))
+    assert "step_control.predictor" in config_diff(old_logra, build_config(["method=logra"]))
+    assert run_key(saved("method=dense")) == run_key(build_config(["method=dense"]))
+    # step control's settings do not change a run without it ...
+    assert run_key(build_config(["method=dense", "step_control.measure_realized=true"])) == \
+        run_key(build_config(["method=dense"]))
+    # ... and do where it is on
+    assert run_key(build_config(["method=logra", "step_control.measure_realized=true"])) != \
+        run_key(build_config(["method=logra"]))
+    assert run_key(build_config(["method=dense", "step_control.enabled=true", "step_control.target_kl=0.02"])) != \
+        run_key(build_config(["method=dense", "step_control.enabled=true"]))

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from experiments.time_table import DEFAULT_METHODS, PHASES, main, summarize
+from experiments.time_table import DEFAULT_METHODS, PHASES, main, rotation, summarize
 
 pytestmark = pytest.mark.integration
 
@@ -48,3 +48,12 @@ def test_summarize_statistics():
     assert (rows[("x", "step")]["min_s"], rows[("x", "step")]["max_s"]) == (4.0, 8.0)
     assert (rows[("x", "step")]["q25_s"], rows[("x", "step")]["q75_s"]) == (5.0, 7.0)
     assert rows[("x", "rollout")]["x_dense"] == 0.0
+
+
+def test_rounds_rotate_so_every_method_takes_every_position_and_never_repeats():
+    methods = list("ABCD")
+    rounds = [rotation(methods, r) for r in range(8)]
+    for pos in range(4):  # over 4 rounds each method sits at each position once
+        assert sorted(r[pos] for r in rounds[:4]) == methods
+    flat = methods + [m for r in rounds for m in r]  # the warm-up round first, then the timed rounds
+    assert all(a != b for a, b in zip(flat, flat[1:]))

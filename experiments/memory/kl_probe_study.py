@@ -48,11 +48,13 @@ class ProbeStudyArgs:
     chunks: str = "64,256"  # vocabulary chunk sizes of the predictor
     dtypes: str = "float32,bfloat16"  # tangent dtypes
     target_kl: float = 0.01  # κ the update is scaled to before the comparison
+    predictors: str = "exact,secant"  # KL predictors to study (logra_core.kl_predictor.PREDICTORS)
+    trials: str = "0.5,1,2"  # the secant's trial scale ε as multiples of the applied scale s (clamped to 1)
     out: str = "results/time_table/probe_study"  # output folder
     seed: int = 0  # seeds the batch and the probes
 
 KEYS = {k: str(v) for k, v in asdict(ProbeStudyArgs()).items()}
-COLUMNS = ["probe_seqs", "probe_tokens", "chunk", "dtype", "draw", "predicted", "stderr", "exact", "rel_err_exact",
+COLUMNS = ["predictor", "trial", "probe_seqs", "probe_tokens", "chunk", "dtype", "draw", "predicted", "stderr", "exact", "rel_err_exact",
            "predicted_full", "rel_err_sampling", "within_2se", "time_s", "forwards", "of_fwd_bwd", "scale"]
 
 
@@ -64,7 +66,7 @@ def _timed(fn):
 
 def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
     from experiments.config import build_config
-    from experiments.rl.trainer import GRPOTrainer, probe_inputs
+    from experiments.rl.trainer import GRPOTrainer, probe_inputs, probe_rows
     from logra_core.kl_predictor import exact_kl, hidden_states, predict_kl_sampled
 
     seqs, group = int(args["seqs"]), int(args["group"])
@@ -99,29 +101,38 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
                 p.copy_(saved[n])
         del saved
         out = []
+        full_by_variant = {}  # (predictor, trial, chunk, dtype) -> its prediction on the whole batch (recorded first)
 
-        def record(n, idx, chunk, dtype, draw, m=model):
+        def record(n, idx, chunk, dtype, draw, m=model, predictor="exact", trial=0.0):
             inputs = probe_inputs(rollouts.select(idx), tr.device)
+            at = min(1.0, trial * scale)
+            extra = {} if predictor == "exact" else {"predictor": predictor, "at": at}
             (pred, se), secs = _timed(lambda: predict_kl_sampled(m, **inputs, lowrank=update.lowrank, dense=update.dense,
-                                                                 chunk=chunk, population=n_seqs))
+                                                                 chunk=chunk, population=n_seqs, **extra))
             s2 = scale ** 2
-            out.append({"probe_seqs": n, "probe_tokens": int(inputs["positions"].sum()), "chunk": chunk, "dtype": dtype,
+            reference = full_by_variant.setdefault((predictor, trial, chunk, dtype), pred)  # the variant's whole batch
+            out.append({"predictor": predictor, "trial": trial if predictor != "exact" else "", "probe_seqs": n, "probe_tokens": int(inputs["positions"].sum()), "chunk": chunk, "dtype": dtype,
                         "draw": draw, "predicted": pred * s2, "stderr": se * s2, "exact": exact,
-                        "rel_err_exact": abs(pred * s2 - exact) / exact, "predicted_full": pred_full * s2,
-                        "rel_err_sampling": abs(pred - pred_full) / pred_full,
-                        "within_2se": bool(abs(pred - pred_full) <= 2 * se) if se == se else "",
+                        "rel_err_exact": abs(pred * s2 - exact) / exact, "predicted_full": reference * s2,
+                        "rel_err_sampling": abs(pred - reference) / reference,
+                        "within_2se": bool(abs(pred - reference) <= 2 * se) if se == se and se > 0 else "",
                         "time_s": secs, "forwards": secs / forward_s, "of_fwd_bwd": secs / fwd_bwd_s, "scale": scale})
-            print(f"[probe_study] n={n} draw={draw} chunk={chunk} {dtype}: rel err {out[-1]['rel_err_exact']:.3f} "
+            print(f"[probe_study] {predictor}{f'@{trial:g}s' if predictor != 'exact' else ''} n={n} draw={draw} chunk={chunk} {dtype}: rel err {out[-1]['rel_err_exact']:.3f} "
                   f"(sampling {out[-1]['rel_err_sampling']:.3f}, se/mean {se / pred if pred else 0:.3f}) {secs:.2f} s", flush=True)
 
         sizes = [int(x) for x in args["probe_seqs"].split(",") if x]
+        variants = [(p, t) for p in args["predictors"].split(",") if p
+                    for t in ([0.0] if p == "exact" else [float(x) for x in args["trials"].split(",") if x])]
+        for predictor, trial in variants:  # the whole batch: second-order / extrapolation error alone
+            record(n_seqs, rows, 64, "float32", 0, predictor=predictor, trial=trial)
         for n in sizes:
             if n >= n_seqs:
                 continue
-            for d in range(int(args["draws"])):
-                idx = torch.randperm(n_seqs, generator=torch.Generator().manual_seed(1000 * n + d))[:n].sort().values
-                record(n, idx, 64, "float32", d)
-        for chunk in [int(x) for x in args["chunks"].split(",") if x]:
+            for d in range(int(args["draws"])):  # the trainer's probe: spread over the prompt groups
+                idx = probe_rows(rows, group, n, int(args["seed"]) + 1000 * n, d).sort().values
+                for predictor, trial in variants:
+                    record(n, idx, 64, "float32", d, predictor=predictor, trial=trial)
+        for chunk in [int(x) for x in args["chunks"].split(",") if x and int(x) != 64]:
             record(n_seqs, rows, chunk, "float32", 0)
         for dtype in [x for x in args["dtypes"].split(",") if x and x != "float32"]:
             low = copy.deepcopy(model).to(getattr(torch, dtype))
@@ -133,28 +144,41 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
     return out, meta
 
 
+def _variant(r: dict) -> str:
+    return r["predictor"] if r["predictor"] == "exact" else f"{r['predictor']} at {float(r['trial']):g}s"
+
+
+def _main_rows(rows: list[dict]) -> dict[str, list[dict]]:
+    """fp32, chunk-64 rows by predictor variant."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["dtype"] == "float32" and r["chunk"] == 64:
+            by.setdefault(_variant(r), []).append(r)
+    return by
+
+
 def figure(rows: list[dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fp = [r for r in rows if r["dtype"] == "float32" and r["chunk"] == 64]
-    sizes = sorted({r["probe_seqs"] for r in fp})
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for key, label in (("rel_err_exact", "vs exact KL of the batch"), ("rel_err_sampling", "vs whole-batch prediction")):
-        med = [statistics.median(r[key] for r in fp if r["probe_seqs"] == n) for n in sizes]
-        mx = [max(r[key] for r in fp if r["probe_seqs"] == n) for n in sizes]
-        a1.plot(sizes, med, "o-", label=f"median, {label}")
-        a1.plot(sizes, mx, "x--", label=f"max, {label}")
-    a1.set_xscale("log", base=2)
-    a1.set_yscale("symlog", linthresh=1e-3)
-    a1.set_xlabel("probe sequences")
-    a1.set_ylabel("|predicted − reference| / reference")
-    a1.legend(fontsize=7)
-    a2.plot(sizes, [statistics.median(r["of_fwd_bwd"] for r in fp if r["probe_seqs"] == n) for n in sizes], "o-")
-    a2.set_xscale("log", base=2)
-    a2.set_xlabel("probe sequences")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, rs in _main_rows(rows).items():
+        sizes = sorted({r["probe_seqs"] for r in rs})
+        a1.plot(sizes, [statistics.median(r["rel_err_exact"] for r in rs if r["probe_seqs"] == n) for n in sizes],
+                "o-", label=f"{name}: median")
+        a1.plot(sizes, [max(r["rel_err_exact"] for r in rs if r["probe_seqs"] == n) for n in sizes], "x:",
+                label=f"{name}: max", color=a1.lines[-1].get_color())
+        a2.plot(sizes, [statistics.median(r["of_fwd_bwd"] for r in rs if r["probe_seqs"] == n) for n in sizes], "o-",
+                label=name)
+    a1.axhline(0.25, color="grey", lw=0.8, ls="--")
+    for ax in (a1, a2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("probe sequences")
+        ax.legend(fontsize=6)
+    a1.set_yscale("log")
+    a1.set_ylabel("|predicted − exact| / exact (whole batch)")
     a2.set_ylabel("predictor time / batch fwd+bwd time")
     fig.tight_layout()
     for ext in ("png", "pdf"):
@@ -162,18 +186,32 @@ def figure(rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """One line per (predictor variant, probe size): median / max error against the exact KL, the
+    sampling error's median, how often it fell within 2 stated se, time in forwards and of fwd_bwd."""
+    lines = [f"{'predictor':<18}{'seqs':>5}{'tokens':>7}{'med err':>9}{'max err':>9}{'med samp':>9}{'in 2se':>7}"
+             f"{'fwds':>7}{'/fwd_bwd':>9}"]
+    for name, rs in _main_rows(rows).items():
+        for n in sorted({r["probe_seqs"] for r in rs}):
+            sel = [r for r in rs if r["probe_seqs"] == n]
+            inside = [r["within_2se"] for r in sel if r["within_2se"] != ""]
+            lines.append(f"{name:<18}{n:>5}{sel[0]['probe_tokens']:>7}{statistics.median(r['rel_err_exact'] for r in sel):>9.3f}"
+                         f"{max(r['rel_err_exact'] for r in sel):>9.3f}{statistics.median(r['rel_err_sampling'] for r in sel):>9.3f}"
+                         f"{(f'{sum(inside)}/{len(inside)}' if inside else '-'):>7}"
+                         f"{statistics.median(r['forwards'] for r in sel):>7.2f}{statistics.median(r['of_fwd_bwd'] for r in sel):>9.3f}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from experiments.common.cli import fail, parse
+    from experiments.common.cli import fail, parse_tool
     from experiments.common.config import ConfigError
     from experiments.common.provenance import git_sha
-    from experiments.config import run_keys
 
     try:
-        parsed, overrides, _ = parse(ProbeStudyArgs, argv, doc=__doc__, run_keys=run_keys)
+        args, overrides = parse_tool(ProbeStudyArgs, argv, __doc__)
     except ConfigError as e:
         return fail(e, "experiments.memory.kl_probe_study")
-    args = {k: str(v) for k, v in asdict(parsed).items()}
 
     rows, meta = run(args, overrides)
     out = Path(args["out"])
@@ -187,14 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__, "threads": torch.get_num_threads(), "settings": args, "overrides": overrides,
         **meta}, indent=1))
     figure(rows, out)
-    print(f"{'probe seqs':>10}{'tokens':>8}{'med err':>9}{'max err':>9}{'med samp':>9}{'in 2se':>7}{'fwds':>7}{'/fwd_bwd':>9}")
-    for n in sorted({r["probe_seqs"] for r in rows}):
-        rs = [r for r in rows if r["probe_seqs"] == n and r["dtype"] == "float32" and r["chunk"] == 64]
-        inside = [r["within_2se"] for r in rs if r["within_2se"] != ""]
-        print(f"{n:>10}{rs[0]['probe_tokens']:>8}{statistics.median(r['rel_err_exact'] for r in rs):>9.3f}"
-              f"{max(r['rel_err_exact'] for r in rs):>9.3f}{statistics.median(r['rel_err_sampling'] for r in rs):>9.3f}"
-              f"{(f'{sum(inside)}/{len(inside)}' if inside else '-'):>7}"
-              f"{statistics.median(r['forwards'] for r in rs):>7.2f}{statistics.median(r['of_fwd_bwd'] for r in rs):>9.3f}")
+    text = "\n".join(summary(rows))
+    (out / "probe_study.txt").write_text(text + "\n")
+    print(text)
     return 0
 
 

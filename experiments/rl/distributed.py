@@ -303,18 +303,19 @@ class DataParallel:
         return SyncSender(model)
 
     def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None,
-                   temperature: float = 1.0):
+                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None):
         """This rank's predicted KL of ``update`` on its probe ``inputs`` (0.0 without a probe); a
         collective wherever the weights are sharded, so every rank calls it. With ``population`` (the
         sequences the probe was drawn from): (prediction, its standard error as that batch's mean,
-        ``logra_core.kl_predictor.predict_kl_sampled``)."""
+        ``logra_core.kl_predictor.predict_kl_sampled``; ``predictor``, ``at``: its exact or secant path)."""
         from logra_core.kl_predictor import predict_kl, predict_kl_sampled
 
         if not inputs:
             return 0.0 if population is None else (0.0, 0.0)
         if population is not None:
             return predict_kl_sampled(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk,
-                                      population=population, temperature=temperature)
+                                      population=population, temperature=temperature, predictor=predictor, at=at,
+                                      h_old=h_old)
         return predict_kl(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk, temperature=temperature)
 
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -454,7 +455,7 @@ class FSDP2(DataParallel):
                 m.set_reshard_after_forward(True, recurse=False)
 
     def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None,
-                   temperature: float = 1.0):
+                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None):
         """The KL predictor on the gathered weights (a collective: every rank calls it, with or
         without a probe). A low-rank ΔW = D A of a row-sharded weight enters with its whole D, the
         ranks' rows all-gathered (m × r: small), and the same A on every rank (rebuilt from the
@@ -462,7 +463,7 @@ class FSDP2(DataParallel):
         from logra_core.kl_predictor import predict_kl, predict_kl_sampled
 
         if not self.distributed:
-            return super().predict_kl(model, inputs, update, chunk, population, temperature)
+            return super().predict_kl(model, inputs, update, chunk, population, temperature, predictor, at, h_old)
         lowrank = {}
         for name, (D, A) in update.lowrank.items():
             weight = model.get_submodule(name).weight
@@ -471,7 +472,8 @@ class FSDP2(DataParallel):
         with self.full_weights(model):  # gathering is a collective: ranks without a probe take part
             if population is not None:
                 return predict_kl_sampled(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
-                                          population=population, temperature=temperature) if inputs else (0.0, 0.0)
+                                          population=population, temperature=temperature, predictor=predictor,
+                                          at=at, h_old=h_old) if inputs else (0.0, 0.0)
             return predict_kl(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
                               temperature=temperature) if inputs else 0.0
 

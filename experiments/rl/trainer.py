@@ -39,6 +39,7 @@ from experiments.rl.guard import (PREEMPTED_EXIT, NonFiniteError, Preempted, Pre
 from experiments.memory.profiler import StepProfiler, optimizer_tensors
 from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics
 from experiments.rl.models import load_model
+from experiments.rl.probe_capture import ProbeCapture
 from experiments.rl.rollout import Rollouts, build_engine
 from experiments.rl.run_dir import RunDirectory
 from experiments.rl.sync_engines import PolicyFactory
@@ -120,6 +121,7 @@ class GRPOTrainer:
         self.step = 0
         self.epoch, self.cursor = 0, 0
         self.consecutive_skips = 0  # steps in a row skipped by the non-finite guard
+        self.kl_trial_scale = 1.0  # the secant KL predictor's trial scale: the last applied step scale
         self._skips: list[str] = []  # why this step's updates were skipped
         self._bad_loss: str | None = None
         if c.resume:
@@ -132,6 +134,7 @@ class GRPOTrainer:
             state = self.dist.load_checkpoint(found, self.model, self.method)  # CheckpointCorrupt on a checksum mismatch
             self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
             self.consecutive_skips = state.get("consecutive_skips", 0)
+            self.kl_trial_scale = state.get("kl_trial_scale", 1.0)
             print(f"[resume] continuing {self.run_dir} from step {self.step}")
         else:
             print(f"[resume] no checkpoint yet in {self.run_dir}: starting at step 0")
@@ -141,7 +144,8 @@ class GRPOTrainer:
             self.directory.truncate_after(self.step)
 
     def save(self) -> None:
-        state = {"epoch": self.epoch, "cursor": self.cursor, "consecutive_skips": self.consecutive_skips}
+        state = {"epoch": self.epoch, "cursor": self.cursor, "consecutive_skips": self.consecutive_skips,
+                 "kl_trial_scale": self.kl_trial_scale}
         self.dist.save_checkpoint(self.run_dir, self.step, self.model, self.method, state, keep=self.cfg.checkpoint.keep)  # every rank
 
     # ---- data -----------------------------------------------------------------------------
@@ -270,16 +274,20 @@ class GRPOTrainer:
                 old = [self._logprobs(self.model, rollouts.select(idx)) for idx in micro]
         for epoch in range(tc.ppo_epochs):
             self.method.zero_grad()
+            capture = self._probe_capture(rows)  # secant control: keep the probe's hidden states from this pass
             with self._phase("fwd_bwd"):
-                pass_stats = self.accumulate_gradients(rollouts, advantages, micro, old, real=real)
+                pass_stats = self.accumulate_gradients(rollouts, advantages, micro, old, real=real, capture=capture)
                 stats.update(self.dist.reduce_gradients(self.method))  # once per update, not per micro-batch
+            h_old = capture.hidden() if capture else None
+            if capture:
+                capture.close()
             if epoch == 0:
                 stats["kl/sampler_trainer"] = pass_stats.pop("kl/sampler_trainer")
             if self._skip_if_nonfinite(self._bad_loss or self.method.nonfinite()):
                 stats["step/skipped"] += 1.0
                 continue
             with self._phase("optimizer"):
-                step_stats = self._controlled_step(rollouts, rows) if self.step_control else self.method.step()
+                step_stats = self._controlled_step(rollouts, rows, h_old) if self.step_control else self.method.step()
             if step_stats is None:  # the proposed update was not finite: not applied
                 stats["step/skipped"] += 1.0
                 continue
@@ -322,42 +330,72 @@ class GRPOTrainer:
         every tensor; a payload the engine rejects (checksum, version gap) is followed by a full one."""
         return self.weight_sync(self.method, full=full, step=self.step)
 
-    def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor) -> dict[str, float] | None:
+    def _probe(self, rows: torch.Tensor) -> torch.Tensor:
+        """This step's KL probe: this rank's share of the kept ``rows``, spread over the prompt groups."""
+        sc = self.cfg.step_control
+        k = -(-sc.probe_rows(len(rows) * self.dist.world_size) // self.dist.world_size)  # each rank probes its share
+        return probe_rows(rows, self.cfg.train.group_size, k, self.cfg.seed + self.dist.rank, self.step)
+
+    def _probe_capture(self, rows: torch.Tensor) -> ProbeCapture | None:
+        """A hook keeping the probe's hidden states from the coming forward, for the secant predictor on
+        an fp32/fp64 model (experiments/rl/probe_capture.py says why not in bf16)."""
+        if not (self.step_control and self.cfg.step_control.predictor == "secant"):
+            return None
+        if next(self.model.parameters()).dtype not in (torch.float32, torch.float64):
+            return None
+        probe = self._probe(rows)
+        return ProbeCapture(self.model.get_decoder(), probe) if len(probe) else None
+
+    def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor, h_old: torch.Tensor | None = None
+                         ) -> dict[str, float] | None:
         """Propose the update, predict its KL on a probe of the batch, apply it scaled (docs/design.md §3.2).
-        None: the update was not finite and is not applied (the optimizer's moments have advanced)."""
+        None: the update was not finite and is not applied (the optimizer's moments have advanced).
+        ``h_old``: the probe's hidden states at θ, kept from the update's forward (secant predictor)."""
         sc = self.cfg.step_control
         update, stats = self.method.propose()
         if self._skip_if_nonfinite(update_nonfinite(update)):
             return None
-        k = -(-sc.probe_rows(len(rows) * self.dist.world_size) // self.dist.world_size)  # each rank probes its share
-        probe = probe_rows(rows, self.cfg.train.group_size, k, self.cfg.seed + self.dist.rank, self.step)
+        probe = self._probe(rows)
         inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
         weight = float(inputs["positions"].sum()) if inputs else 0.0
         T = self.temperature  # the probe's distributions are the sampler's, softmax(z / T)
         with self._phase("kl_predict"):  # a collective where the weights are sharded: every rank calls it
-            predicted, stderr = self.dist.predict_kl(self.model, inputs, update, sc.chunk, population=len(rows),
-                                                     temperature=T)
-        predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
-        stderr = self.dist.weighted_mean(stderr, weight)  # the sampling error of reading it as the batch's KL
-        scale = step_scale(predicted, sc.target_kl)
-        if sc.measure_realized:
+            at, trials = self.kl_trial_scale, 0
+            while True:  # secant: measure again at the chosen scale while it is more than 2x off the trial's
+                predicted, stderr = self.dist.predict_kl(self.model, inputs, update, sc.chunk, population=len(rows),
+                                                         temperature=T, predictor=sc.predictor, at=at, h_old=h_old)
+                predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
+                stderr = self.dist.weighted_mean(stderr, weight)  # the sampling error of reading it as the batch's KL
+                scale, trials = step_scale(predicted, sc.target_kl), trials + 1
+                nxt = max(scale, sc.min_trial_scale)
+                if sc.predictor != "secant" or scale == 0 or trials >= sc.max_trials or abs(math.log(nxt / at)) <= math.log(2):
+                    break
+                at = nxt
+        if scale > 0 and sc.predictor == "secant":  # the next step's trial scale (a skipped step keeps the last)
+            self.kl_trial_scale = max(scale, sc.min_trial_scale)
+        if sc.measure_realized:  # the whole trained batch, in micro-batches: the reference the probe estimates
+            batches = [probe_inputs(rollouts.select(idx), self.device)
+                       for idx in rows.split(self.cfg.train.micro_batch_size)] if len(rows) else []
             with self.dist.full_weights(self.model):
-                if inputs:
-                    head = self.model.get_output_embeddings().weight
-                    h_old, w_old = hidden_states(self.model, **inputs) / T, head.detach().clone()
+                head = self.model.get_output_embeddings().weight
+                h_old, w_old = [hidden_states(self.model, **b) / T for b in batches], head.detach().clone()
         self.method.apply(update, scale)
+        if sc.predictor == "secant":
+            stats.update({"kl/trial_scale": at, "kl/trials": trials})
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale,
                       "kl/predicted_stderr": stderr, "kl/probe_tokens": self.dist.all_sum(weight)[0]})
         if sc.measure_realized:
             with self.dist.full_weights(self.model):
-                realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs) / T,
-                                          self.model.get_output_embeddings().weight.detach(), sc.chunk,
-                                          logit_softcap(self.model)).mean()) if inputs else 0.0
-            stats["kl/realized"] = self.dist.weighted_mean(realized, weight)
+                W = self.model.get_output_embeddings().weight.detach()
+                terms = [exact_kl(h, w_old, hidden_states(self.model, **b) / T, W, sc.chunk, logit_softcap(self.model))
+                         for h, b in zip(h_old, batches)]
+            tokens = float(sum(t.numel() for t in terms))
+            realized = float(sum(t.sum() for t in terms)) / tokens if tokens else 0.0
+            stats["kl/realized"] = self.dist.weighted_mean(realized, tokens)
         return stats
 
     def accumulate_gradients(self, rollouts: Rollouts, advantages: torch.Tensor, micro: list[torch.Tensor], old=None,
-                             real: int | None = None) -> dict[str, float]:
+                             real: int | None = None, capture: ProbeCapture | None = None) -> dict[str, float]:
         """Backward of the batch's token-mean loss, one micro-batch (row indices) at a time.
 
         ``old``: per-micro-batch old log-probs, or None for on-policy (π_old = π_θ detached).
@@ -373,6 +411,8 @@ class GRPOTrainer:
         self._bad_loss = None  # the first micro-batch whose loss is not finite (the guard skips the update)
         for k, idx in enumerate(micro):
             mb = rollouts.select(idx)
+            if capture is not None:
+                capture.micro_batch(idx, mb.completion_mask)
             logprobs = self._logprobs(self.model, mb)
             old_lp = old[k] if old is not None else logprobs.detach()
             mask = mb.completion_mask.to(self.device)

@@ -1,0 +1,137 @@
+"""The KL of an update measured at one trial scale: the step controller's cheap path (docs/design.md §3.2).
+
+The exact predictor (:mod:`logra_core.kl_predictor`) evaluates the second-order term ½ΔᵀFΔ with a
+forward-mode tangent through the decoder: about 3.35 forwards of its probe. This path instead runs
+the probe at the trial weights θ + εΔ and measures the KL there, exactly (every vocabulary entry):
+
+    K(ε) = mean_t KL(p_t(θ) ‖ p_t(θ + εΔ)),        KL̂(1) = K(ε) / ε²,
+
+two plain forwards (θ and θ + εΔ; no tangents, the fast attention kernel). K(ε)/ε² is the exact
+predictor's KL̂(1) up to terms of order ε (K(s) = s²·½ΔᵀFΔ + O(s³)), so the two agree as ε → 0, and at
+ε = s, the scale finally applied, K(ε) *is* the realized KL on the probe. The controller therefore
+measures at ε = the previous step's scale (consecutive updates need similar shrinking): the
+applied s = ε·√(κ / K(ε)) lands on κ up to the change of K(s)/s² between ε and s, which is what
+the second-order prediction ignores anyway.
+
+The trial weights are never formed: a low-rank ΔW = D A adds ε·(x Aᵀ)Dᵀ to the output of every
+``nn.Linear`` holding W (ε·D[ids] A for an ``nn.Embedding``), a dense Δ of an embedding adds
+ε·Δ[ids], other dense Δ (norms) enter ``torch.func.functional_call`` as p + εΔ (a copy of those small
+tensors). The head's logits are z = h Wᵀ + ε Σ_i g_i U_iᵀ (the update's pieces of a tied head,
+:func:`logra_core.kl_predictor.head_delta`), capped like the model's (Gemma-2's softcap).
+
+Precision: the logit difference is taken between two forwards in the model's dtype; in bf16 its
+rounding adds a bias of order ½Var(rounding noise of z) to K(ε) (docs/speed.md states the measured
+size); the exact path's tangent has none, and stays the reference.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Optional
+
+import torch
+from torch import nn
+
+from logra_core.kl_predictor import (LowRank, _acc_dtype, _capped, _decoder, _weight_owners, head_delta,
+                                     head_tangent_factors, hidden_states)
+
+
+def _add_to_output(extra):
+    """A forward hook returning out + extra(module input, out)."""
+    def hook(module, args, out):
+        return out + extra(args[0], out).to(out.dtype)
+    return hook
+
+
+def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                        position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
+                        dense: Optional[dict[str, torch.Tensor]] = None, at: float = 1.0, positions=None) -> torch.Tensor:
+    """Last hidden states at θ + at·Δ (T × d at ``positions``), no grad, no weight of Δ's size formed."""
+    lowrank, dense = lowrank or {}, dense or {}
+    decoder = _decoder(model)
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = out_emb.weight if out_emb is not None else None
+    names_in_decoder = {id(p): n for n, p in decoder.named_parameters()}
+    with ExitStack() as stack, torch.no_grad():
+        for name, (D, A) in lowrank.items():
+            weight = model.get_submodule(name).weight
+            owners = _weight_owners(decoder, weight)
+            if not owners and weight is not head:
+                raise ValueError(f"lowrank[{name!r}]: its weight is used by no nn.Linear/nn.Embedding of the model")
+            for module in owners:
+                if isinstance(module, nn.Embedding):
+                    extra = lambda ids, out, D=D, A=A: at * (D[ids].to(A.dtype) @ A)
+                else:
+                    extra = lambda x, out, D=D, A=A: at * ((x.to(A.dtype) @ A.t()) @ D.to(A.dtype).t())
+                stack.callback(module.register_forward_hook(_add_to_output(extra)).remove)
+        params = {}
+        for name, delta in dense.items():
+            p = model.get_parameter(name)
+            if p is head and id(p) not in names_in_decoder:
+                continue  # an untied head: the logits take it (trial_kl_terms)
+            if id(p) not in names_in_decoder:
+                raise ValueError(f"dense[{name!r}]: a parameter neither of the decoder nor of the LM head")
+            embeddings = [m for m in _weight_owners(decoder, p) if isinstance(m, nn.Embedding)]
+            if embeddings and len(embeddings) == len(_weight_owners(decoder, p)):
+                for module in embeddings:  # ε·Δ[ids]: no copy of the vocabulary-sized table
+                    stack.callback(module.register_forward_hook(
+                        _add_to_output(lambda ids, out, d=delta: at * d[ids])).remove)
+            else:
+                params[names_in_decoder[id(p)]] = p.detach() + at * delta.to(p.dtype)
+        out = torch.func.functional_call(
+            decoder, params, args=(),
+            kwargs=dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False)).last_hidden_state
+    return out.reshape(-1, out.shape[-1]) if positions is None else out[positions]
+
+
+def shifted_kl(h_old: torch.Tensor, h_new: torch.Tensor, W: torch.Tensor, pieces: list, at: float = 1.0,
+               chunk: int = 256, softcap: Optional[float] = None) -> torch.Tensor:
+    """Per-token KL(p_old ‖ p_new) [T] for z_old = h_old Wᵀ and z_new = h_new (W + at·ΔW)ᵀ, where ΔW is
+    the sum of ``pieces`` (dense V × d tensors or low-rank (D, A)); ``chunk`` tokens at a time.
+
+    Computed as log1p(Σ_v p_old,v expm1(c_v)), c = δ − Σ_v p_old,v δ_v, δ = z_new − z_old
+    (:func:`logra_core.kl_predictor.exact_kl`'s form: a tiny step's KL keeps its relative precision).
+    """
+    acc = _acc_dtype(h_old, h_new, W)
+    out = torch.empty(h_old.shape[0], dtype=acc, device=h_old.device)
+    for i in range(0, h_old.shape[0], chunk):
+        z_old = _capped((h_old[i : i + chunk].to(W.dtype) @ W.t()).to(acc), softcap)
+        hn = h_new[i : i + chunk]
+        u = (hn.to(W.dtype) @ W.t()).to(acc)
+        if pieces:
+            g, U = head_tangent_factors(hn, torch.zeros_like(hn), W, pieces)
+            for gi, Ui in list(zip(g, U))[1:]:  # the first pair is ḣ Wᵀ = 0
+                u.add_((gi.to(Ui.dtype) @ Ui.t()).to(acc), alpha=at)
+        delta = _capped(u, softcap) - z_old
+        p = torch.softmax(z_old, dim=-1)
+        delta -= (p * delta).sum(-1, keepdim=True)
+        out[i : i + chunk] = torch.log1p((p * torch.expm1(delta)).sum(-1))
+    return out
+
+
+def trial_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                   position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
+                   dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
+                   temperature: float = 1.0, at: float = 1.0, h_old: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-token KL(p_t(θ) ‖ p_t(θ + at·Δ)) / at² [T] at ``positions`` (row-major), at temperature T
+    (logits z/T: h and the head's pieces enter divided by T) — the secant reading of KL̂(1).
+
+    ``h_old``: the last hidden states at θ at ``positions`` (T × d, before 1/T) when the caller kept
+    them from a forward it ran anyway (:class:`experiments.rl.probe_capture.ProbeCapture`); else one
+    more forward computes them."""
+    if not at > 0:
+        raise ValueError(f"trial_kl_terms: the trial scale must be > 0, got {at}")
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("trial_kl_terms assumes an LM head without bias")
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    if temperature != 1.0 and softcap:
+        raise ValueError("trial_kl_terms: a sampling temperature != 1 with final-logit softcapping is not supported")
+    if h_old is None:
+        h_old = hidden_states(model, input_ids, attention_mask, position_ids, positions)
+    h_new = trial_hidden_states(model, input_ids, attention_mask, position_ids, lowrank, dense, at, positions)
+    if temperature != 1.0:
+        h_old, h_new = h_old / temperature, h_new / temperature
+    kl = shifted_kl(h_old, h_new, head.weight.detach(), head_delta(model, lowrank, dense), at, chunk, softcap)
+    return kl / at**2
