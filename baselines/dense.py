@@ -13,7 +13,7 @@ from torch import nn
 
 from baselines.base import Method, register_method
 from baselines.precision import MasterWeights, check_precision
-from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries
+from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries, master_gradients
 
 
 @dataclass
@@ -49,11 +49,20 @@ class DenseAdamW(Method):
     def step(self) -> dict[str, float]:
         return self.clipped_step(self.params, self.cfg.max_grad_norm)
 
+    plan_option_names = frozenset({"precision"})  # the planner's precision=mixed|bf16 (from dense.precision)
+
     @classmethod
     def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
-        """AdamW state on every weight, every weight's gradient, AdamW's temporaries at the step."""
-        s = ctx.shapes
+        """AdamW state on every weight (``precision=mixed`` on bf16: fp32 master + two fp32 moments,
+        12 B per element; ``bf16``: two bf16 moments, 4 B), every weight's gradient in the weight dtype
+        during backward; at the step AdamW's temporaries and, when mixed, the masters' fp32 gradients
+        in place of the bf16 ones."""
+        s, prec = ctx.shapes, ctx.options.get("precision")
+        mixed = ctx.mixed(prec)
         return MemoryTerms(
-            state=[Term("optimizer", "AdamW state", s.total * ctx.adam_bytes // ctx.shard_optimizer)],
+            state=[Term("optimizer", "AdamW state", s.total * ctx.adam_bytes(prec) // ctx.shard_optimizer,
+                        "fp32 master + two fp32 moments" if mixed else "two moments in the weight dtype")],
             grads=[Term("grads", "gradients", s.total * ctx.weight_bytes // ctx.shard_grads, "every weight, weight dtype")],
-            step=[adamw_temporaries(ctx, max([s.embed] + [m * n for m, n in s.proj]))])
+            step=([master_gradients(ctx, s.total)] if mixed else [])
+            + [adamw_temporaries(ctx, max([s.embed] + [m * n for m, n in s.proj]), prec)],
+            grads_at_step=not mixed)

@@ -38,7 +38,7 @@ from torch import nn
 
 from baselines.base import Method, first_nonfinite, register_method
 from baselines.precision import MasterWeights, check_precision
-from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries
+from baselines.memory_terms import MemoryTerms, PlanContext, Term, adamw_temporaries, master_gradients
 from logra_core.sketch import DEFAULT_TARGETS, select_linears
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
@@ -141,19 +141,21 @@ def _restore_projectors(optimizer: torch.optim.Optimizer) -> None:
 
 def galore_state(ctx: PlanContext) -> list[Term]:
     """GaLoreAdamW's state: a projector and two r-row moments per projection, AdamW on the rest."""
-    s, r = ctx.shapes, ctx.rank
+    s, r, prec = ctx.shapes, ctx.rank, ctx.options.get("precision")
+    mb = ctx.moment_bytes(prec)  # fp32 masters (mixed) or an fp32 model: fp32 gradients, SVD and moments
     projector, moments = 0, 0
     for m, n in s.proj:
         rr = min(r, m, n)
         # galore_torch keeps Vh[:r] / U[:, r] of the fp32 SVD: a view, so the whole min(m,n)^2 factor
         # stays alive; for bf16/fp16 weights it keeps a cast copy (min side x r)
-        projector += (min(m, n) ** 2 * 4) if ctx.moment_bytes == 4 else min(m, n) * rr * ctx.moment_bytes
-        moments += max(m, n) * rr * 2 * ctx.moment_bytes
-    rest = s.n_rest * ctx.adam_bytes + s.n_proj * ctx.master_bytes
+        projector += (min(m, n) ** 2 * 4) if mb == 4 else min(m, n) * rr * mb
+        moments += max(m, n) * rr * 2 * mb
+    rest = s.n_rest * ctx.adam_bytes(prec) + s.n_proj * ctx.master_bytes(prec)
     return [Term("optimizer", "GaLore projectors", projector // ctx.shard_optimizer,
                  "fp32: the whole min(m,n)^2 SVD factor (galore_torch keeps a view of it); else min(m,n) x r"),
             Term("optimizer", "GaLore moments + AdamW of the rest", (moments + rest) // ctx.shard_optimizer,
-                 f"two moments of max(m,n) x min(r,m,n) per projection; AdamW ({ctx.adam_bytes} B) for embedding/norms")]
+                 f"two moments of max(m,n) x min(r,m,n) per projection; AdamW ({ctx.adam_bytes(prec)} B) for "
+                 "embedding/norms" + ("; fp32 masters of the projections" if ctx.mixed(prec) else ""))]
 
 
 def galore_grads(ctx: PlanContext) -> Term:
@@ -170,18 +172,22 @@ class GaLore(Method):
 
     config_cls = GaLoreConfig
     rank_key = "rank"
+    plan_option_names = frozenset({"precision"})  # the planner's precision=mixed|bf16 (from galore.precision)
 
     @classmethod
     def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
         """Projectors and low-rank moments, every weight's gradient; at the step AdamW's temporaries and
         the projected-back full-size update of the largest projection."""
-        s = ctx.shapes
+        s, prec = ctx.shapes, ctx.options.get("precision")
         m, n = max(s.proj, key=lambda x: x[0] * x[1])
-        step = [adamw_temporaries(ctx, max([s.embed] + [a * b for a, b in s.proj])),
-                Term("activations", "GaLore project-back", 2 * m * n * ctx.moment_bytes // ctx.shard_optimizer,
-                     "the full-size update and its scaled copy")]
-        return MemoryTerms(state=galore_state(ctx), grads=[galore_grads(ctx)], step=step,
-                           assumptions=[galore_assumption(ctx)])
+        mixed = ctx.mixed(prec)
+        step = ([master_gradients(ctx, s.total)] if mixed else []) + [
+            adamw_temporaries(ctx, max([s.embed] + [a * b for a, b in s.proj]), prec),
+            Term("activations", "GaLore project-back", 2 * m * n * ctx.moment_bytes(prec) // ctx.shard_optimizer,
+                 "the full-size update and its scaled copy")]
+        return MemoryTerms(state=galore_state(ctx), grads=[galore_grads(ctx)], step=step, grads_at_step=not mixed,
+                           assumptions=[galore_assumption(ctx)] + (["galore with bf16 masters (mixed): UNCHECKED against "
+                                                                    "the profiler"] if mixed else []))
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         self.params = self.trainable_parameters(model)
@@ -208,6 +214,7 @@ class GaLoreLayerwise(Method):
 
     config_cls = GaLoreConfig
     rank_key = "rank"
+    plan_option_names = frozenset({"precision"})  # the planner's precision=mixed|bf16 (from galore.precision)
     supports_step_control = False  # each layer's update is applied inside backward: nothing left to scale
     supports_data_parallel = False  # ... and before the ranks' gradients could be summed
     metrics = {"step/params_stepped": "parameters stepped inside backward hooks in the update"}

@@ -11,7 +11,16 @@ from baselines.base import Method, first_nonfinite, register_method
 from baselines.memory_terms import MemoryTerms, PlanContext, Term
 from logra_core.clip import clip_sketches_and_grads
 from logra_core.optimizer import LoGRA
+from logra_core.precision import CHUNK_ELEMENTS
 from logra_core.sketch import DEFAULT_TARGETS
+
+# bytes per sketched element that a bf16/fp16 weight's ``master`` mode keeps beside it, given the
+# weight's bytes b (logra_core/precision.py, docs/precision.md)
+MASTER_BYTES = {"fp32": lambda b: 4, "kahan": lambda b: b, "stochastic": lambda b: 0, "none": lambda b: 0}
+# bytes per element of one row block (CHUNK_ELEMENTS) that the merge holds at once: fp32 updates the
+# master in place; none: X = fp32(W); kahan: X and fp32(W) for C ← X − W; stochastic: X, int64 element
+# indices and their shifted hash (8 + 8), the int32 bits
+MERGE_TEMP_BYTES = {"fp32": 0, "kahan": 8, "stochastic": 24, "none": 4}
 
 
 @dataclass
@@ -43,28 +52,39 @@ class LoGRAMethod(Method):
     config_cls = LoGRAConfig
     step_control_default = True  # docs/design.md §3.2: predicted-KL step control is part of the method
     rank_key = "rank"
-    plan_option_names = frozenset({"embeddings"})  # the planner's embeddings=true: sketch the embedding and a tied head
+    plan_option_names = frozenset({"embeddings", "master", "dense_precision"})  # planner options from logra.*
 
     @classmethod
     def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
         """Projections learn through m x r fp32 sketches (no dense gradient, no saved input: the layer
         keeps X A^T instead of X), with one fp32 second moment per row; the unsketched tensors
-        (norms, biases, the embedding/head unless ``embeddings``) train by AdamW. Kept on the layers:
-        the last applied D (m x r) for weight sync and the projection A (r x n). At the step, the
-        update (D and its scaled copy, AdamW's direction and entry) is held until ``apply``."""
+        (norms, biases, the embedding/head unless ``embeddings``) train by AdamW under
+        ``dense_precision``. A bf16/fp16 sketched weight keeps, by ``master`` (logra_core/precision.py):
+        ``fp32`` an fp32 master (4 B per element), ``kahan`` a compensation in the weight dtype (2 B),
+        ``stochastic`` / ``none`` nothing. Kept on the layers: the last applied D (m x r) for weight sync
+        and the projection A (r x n). At the step, the update (D and its scaled copy, AdamW's direction
+        and entry) is held until ``apply``, which merges one row block at a time."""
         s, r, b, o = ctx.shapes, ctx.rank, ctx.weight_bytes, ctx.shard_optimizer
         emb = bool(ctx.options.get("embeddings", False))
+        master = str(ctx.options.get("master", "fp32"))
+        dprec = ctx.options.get("dense_precision")
+        if master not in MASTER_BYTES:
+            raise ValueError(f"logra master must be one of {sorted(MASTER_BYTES)}, got {master!r}")
         head_sketched = emb and s.tied
         embed_dense, head_dense = not emb, not head_sketched
         V, h = s.vocab, s.hidden
         dense_rest = s.norms + s.biases + (s.embed if embed_dense else 0) + (s.head if head_dense and not s.tied else 0)
         rows = sum(m for m, _ in s.proj) + (V if emb else 0)
+        sketched = s.n_proj + (s.embed if emb else 0)
         state = [Term("optimizer", "LoGRA row second moments", rows * 4 // o, f"{rows:,} rows, fp32")]
-        if ctx.low:
-            state.append(Term("optimizer", "LoGRA fp32 masters", (s.n_proj + (s.embed if emb else 0)) * 4 // o,
-                              "logra_core keeps an fp32 copy of each low-precision sketched weight"))
-        state.append(Term("optimizer", "AdamW state of the unsketched tensors", dense_rest * ctx.adam_bytes // o,
-                          "embedding/head (unless sketched), norms, biases"))
+        per = MASTER_BYTES[master](b) if ctx.low else 0
+        if per:
+            state.append(Term("optimizer", f"LoGRA {master} buffers of the sketched weights", sketched * per // o,
+                              f"{sketched:,} elements x {per} B: " + ("an fp32 master copy" if master == "fp32"
+                                                                      else "a Kahan compensation in the weight dtype")))
+        state.append(Term("optimizer", "AdamW state of the unsketched tensors", dense_rest * ctx.adam_bytes(dprec) // o,
+                          "embedding/head (unless sketched), norms, biases"
+                          + (": fp32 master + two fp32 moments" if ctx.mixed(dprec) else "")))
         state.append(Term("activations", "LoGRA's last applied D factors", rows * r * 4 // o,
                           f"m x {r} fp32 per sketched weight, kept for weight sync (logra_core.optimizer last_lowrank)"))
         bases = (sum(n for _, n in s.proj) + (h if emb else 0)) * r * 4
@@ -76,19 +96,27 @@ class LoGRAMethod(Method):
         grads = [Term("grads", "gradients of the unsketched tensors", dense_rest * b // ctx.shard_grads),
                  Term("optimizer", "LoGRA sketches", sum(m for m, _ in s.proj) * r * 4 // o, f"m x {r} fp32 per projection")]
         biggest_dense = max([s.embed if embed_dense else 0, s.head if head_dense else 0, h])
-        step = [Term("activations", "update of the unsketched tensors", 2 * dense_rest * b // o,
-                     "AdamW direction and the dense entry per tensor, held in the Update until apply"),
-                Term("activations", "temporaries of the largest dense entry", 2 * biggest_dense * b // o,
+        mb = ctx.moment_bytes(dprec)
+        step = [Term("activations", "update of the unsketched tensors", 2 * dense_rest * mb // o,
+                     "AdamW direction and the dense entry per tensor (in the moments' dtype), held in the Update until apply"),
+                Term("activations", "temporaries of the largest dense entry", 2 * biggest_dense * mb // o,
                      "direction * alpha and p * decay while the entry is formed"),
                 Term("activations", "D and its scaled copy", 2 * rows * r * 4 // o,
                      f"m x {r} fp32 per sketched weight, held in the Update until apply")]
+        if ctx.low and MERGE_TEMP_BYTES[master]:
+            shapes = list(s.proj) + ([(V, h)] if emb else [])
+            block = max(min(m, max(1, CHUNK_ELEMENTS // n)) * n for m, n in shapes)
+            step.append(Term("activations", f"merge temporaries ({master})", block * MERGE_TEMP_BYTES[master] // o,
+                             f"one row block of at most {CHUNK_ELEMENTS:,} elements x {MERGE_TEMP_BYTES[master]} B"))
         head = [Term("activations", "head sketch contribution", V * r * 4, f"V x {r} fp32, added to the embedding sketch")] \
             if head_sketched else []
         return MemoryTerms(
             state=state, grads=grads, step=step, saves_inputs=False, embed_grad=embed_dense, head_grad=head_dense, head=head,
             layer_extra=[(7 * r, 4, f"X A^T (tokens x {r}, fp32) per sketched projection instead of X")],
             assumptions=[f"logra: projections learn through m x r sketches (r={r}), no dense gradient; embedding "
-                         + ("and tied head sketched" if emb else "and head trained by AdamW with a dense gradient")])
+                         + ("and tied head sketched" if emb else "and head trained by AdamW with a dense gradient")
+                         + (f"; sketched weights in the model dtype with master={master} ({per} B per element beside them)"
+                            if ctx.low else "")])
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         c = self.cfg

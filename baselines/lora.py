@@ -97,21 +97,31 @@ class LoRA(Method):
     config_cls = LoRAConfig
     rank_key = "r"
 
+    plan_option_names = frozenset({"precision"})  # the planner's precision=mixed|bf16 (from lora.precision)
+
     @classmethod
     def memory_terms(cls, ctx: PlanContext) -> MemoryTerms:
-        """fp32 adapters A (r x n) and B (m x r) on every projection with AdamW state and gradients;
-        base weights, embedding and norms frozen, so only the adapters' inputs are saved for gradients
-        and nothing gets a dense V x h gradient."""
-        s, r = ctx.shapes, ctx.rank
+        """Adapters A (r x n) and B (m x r) on every projection with AdamW state and gradients, fp32
+        under ``precision=mixed`` (or an fp32 model), else in the weight dtype; base weights, embedding
+        and norms frozen, so only the adapters' inputs are saved for gradients and nothing gets a dense
+        V x h gradient."""
+        s, r, prec = ctx.shapes, ctx.rank, ctx.options.get("precision")
+        a = 4 if ctx.mixed(prec) else ctx.weight_bytes  # adapter, gradient and moment bytes
         adapters = sum(r * (m + n) for m, n in s.proj)
+        cast = ctx.mixed(prec)  # fp32 adapters on a bf16 base: peft runs lora_A(x.to(fp32)), one copy per adapter
+        extra = [(7 * r, a, f"lora_A's output (tokens x {r}, {a} B) per adapter, lora_B's input")]
+        if cast:
+            extra.append((5 * s.hidden + s.heads * s.head_dim + s.inter, 4,
+                          "each adapter's own fp32 copy of its input (q, k, v, gate, up: h; o: heads x head_dim; "
+                          "down: ffn), kept for lora_A's gradient"))
         return MemoryTerms(
-            state=[Term("params", "LoRA adapters", adapters * 4 // ctx.shard_params, f"r={r} A and B on every projection, fp32"),
-                   Term("optimizer", "AdamW state of the adapters", adapters * 8 // ctx.shard_optimizer, "two fp32 moments")],
-            grads=[Term("grads", "adapter gradients", adapters * 4 // ctx.shard_grads)],
-            step=[adamw_temporaries(ctx, max(r * max(m, n) for m, n in s.proj))],
+            state=[Term("params", "LoRA adapters", adapters * a // ctx.shard_params, f"r={r} A and B on every projection, {a} B"),
+                   Term("optimizer", "AdamW state of the adapters", adapters * 2 * a // ctx.shard_optimizer,
+                        "two moments (fp32 adapters are their own masters: no copy)")],
+            grads=[Term("grads", "adapter gradients", adapters * a // ctx.shard_grads)],
+            step=[adamw_temporaries(ctx, max(r * max(m, n) for m, n in s.proj), prec)],
             trains_norms=False, trains_embedding=False, embed_grad=False, head_grad=False,
-            input_bytes=4 if ctx.low else None,
-            layer_extra=[(7 * r, 4, f"lora_A's output (tokens x {r}, fp32) per adapter, lora_B's input")],
+            saves_inputs=not cast, layer_extra=extra,
             assumptions=["lora: base weights, embedding and norms frozen (no gradient, no state)"])
 
     def prepare(self, model: nn.Module) -> nn.Module:

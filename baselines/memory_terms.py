@@ -14,9 +14,12 @@ part through ``Method.memory_terms(ctx) -> MemoryTerms``, written in the method'
   LM-head terms read them).
 
 This module imports nothing heavy (no torch), so the planner stays importable without the harness.
-Bytes of one element follow ``PlanContext``: ``weight_bytes`` (the model dtype), ``master_bytes``
-(an fp32 master copy, 0 without one) and ``moment_bytes`` (one optimizer moment); AdamW keeps a
-master and two moments per trained element (``adam_bytes``).
+Bytes of one element follow ``PlanContext``: ``weight_bytes`` (the model dtype) and, for AdamW under a
+method's ``precision`` (docs/precision.md), ``master_bytes(precision)`` (an fp32 master copy: 4 for
+``mixed`` on a bf16/fp16 model, else 0), ``moment_bytes(precision)`` (one moment: 4 for ``mixed`` or an
+fp32 model, the weight's bytes for ``bf16``) and ``adam_bytes(precision)`` = master + two moments.
+A method reads its own precision from ``ctx.options`` (filled from its config section by
+``Method.plan_options``); where that is absent, ``ctx.precision`` (the planner's default) applies.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "rollout", "other")
+PRECISIONS = ("mixed", "bf16")  # the baselines' AdamW precision (baselines/precision.py), mirrored without torch
 
 
 @dataclass
@@ -41,24 +45,38 @@ class PlanContext:
     """What a method's terms may depend on: the model's shapes and the planner's settings."""
     shapes: Any  # experiments.memory.planner.Shapes: parameter counts of the decoder-only transformer
     weight_bytes: int  # bytes of one weight/activation element in the model dtype
-    master_bytes: int  # bytes per element of an fp32 master copy kept by AdamW (0: no master)
-    moment_bytes: int  # bytes per element of one optimizer moment (and of AdamW's step temporaries)
     rank: int  # the planner's rank: LoGRA sketch rank, GaLore rank, LoRA r
     micro_batches: int  # micro-batches per update (k); k > 1 keeps the earlier gradients alive
     shard_params: int  # divisor of parameter bytes (FSDP / ZeRO-3 over the GPUs, else 1)
     shard_grads: int  # divisor of gradient bytes (FSDP / ZeRO-2/3)
     shard_optimizer: int  # divisor of optimizer-state bytes (any sharding)
     options: dict = field(default_factory=dict)  # the method's own planner options (Method.plan_option_names)
+    precision: str = "mixed"  # AdamW precision where a method's options name none: mixed (fp32 master + moments) | bf16
 
     @property
     def low(self) -> bool:
         """Weights in bf16/fp16 (fewer than 4 bytes)."""
         return self.weight_bytes < 4
 
-    @property
-    def adam_bytes(self) -> int:
-        """AdamW state per trained element: master + two moments."""
-        return self.master_bytes + 2 * self.moment_bytes
+    def mixed(self, precision: str | None = None) -> bool:
+        """An fp32 master beside each low-precision trained tensor: ``precision`` (default
+        ``ctx.precision``) is ``mixed`` and the weights are bf16/fp16."""
+        precision = precision or self.precision
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        return self.low and precision == "mixed"
+
+    def master_bytes(self, precision: str | None = None) -> int:
+        """Bytes per element of AdamW's fp32 master copy (0: it steps the weight itself)."""
+        return 4 if self.mixed(precision) else 0
+
+    def moment_bytes(self, precision: str | None = None) -> int:
+        """Bytes per element of one AdamW moment, of the gradient it steps on, and of its step temporaries."""
+        return 4 if self.mixed(precision) else self.weight_bytes
+
+    def adam_bytes(self, precision: str | None = None) -> int:
+        """AdamW state per trained element: master + two moments (mixed bf16: 4 + 8 = 12 B; pure bf16: 4 B)."""
+        return self.master_bytes(precision) + 2 * self.moment_bytes(precision)
 
 
 @dataclass
@@ -79,7 +97,14 @@ class MemoryTerms:
     assumptions: list[str] = field(default_factory=list)  # printed among the plan's assumptions
 
 
-def adamw_temporaries(ctx: PlanContext, biggest: int) -> Term:
-    """CPU single-tensor AdamW: two temporaries the size of the largest tensor it steps."""
-    return Term("activations", "AdamW temporaries", 2 * biggest * ctx.moment_bytes // ctx.shard_optimizer,
+def adamw_temporaries(ctx: PlanContext, biggest: int, precision: str | None = None) -> Term:
+    """CPU single-tensor AdamW: two temporaries the size of the largest tensor it steps (in the moments' dtype)."""
+    return Term("activations", "AdamW temporaries", 2 * biggest * ctx.moment_bytes(precision) // ctx.shard_optimizer,
                 "two of the largest tensor (of its shard); CPU single-tensor AdamW - CUDA's foreach AdamW is UNCHECKED")
+
+
+def master_gradients(ctx: PlanContext, elements: int) -> Term:
+    """Mixed precision at the step: every bf16 gradient has become its master's fp32 gradient
+    (m.grad ← fp32(p.grad), p.grad dropped; baselines/precision.py), 4 B per trained element."""
+    return Term("grads", "fp32 gradients of the masters", elements * 4 // ctx.shard_grads,
+                "m.grad = fp32(p.grad) for every trained tensor; the bf16 gradients are dropped as they are cast")

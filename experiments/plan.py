@@ -2,11 +2,16 @@
 
 Prints the predicted per-GPU bytes by category, where the peak is (and the other candidate peaks),
 every term alive there with its assumption, and the verdict (experiments/memory/planner.py).
-``methods=dense,logra`` plans several methods side by side; ``--list`` shows the presets.
+``methods=dense,logra`` plans several methods side by side, each entry optionally with its own keys after
+``:`` (``methods="dense,dense:precision=bf16,logra:master=stochastic embeddings=true"``); ``--list`` shows
+the presets.
 
 Example:
     python -m experiments.plan model=gemma-2-27b methods=dense,logra gpus=8 gpu_mem_gb=80 micro_batch=4 \\
         seq_len=1536 completion_len=1024 micro_batches=16 rank=256 sharding=fsdp
+
+Precision (docs/precision.md): ``precision=`` is the baselines' AdamW (mixed: fp32 master + moments; bf16),
+``master=`` and ``dense_precision=`` are logra's; a method ignores the others' keys.
 """
 
 from __future__ import annotations
@@ -36,12 +41,32 @@ class PlanArgs:
     micro_batches: Optional[int] = None  # micro-batches per update; default 2 (earlier gradients alive in the last backward)
     logprob_chunk: Optional[int] = None  # the harness' train.logprob_chunk; default 256; 0 = full logits
     gradient_checkpointing: Optional[bool] = None  # activation checkpointing; default true
-    master_weights: Optional[bool] = None  # fp32 master + moments for bf16/fp16; default true (false: the harness' plain AdamW)
+    master_weights: Optional[bool] = None  # AdamW's precision where the next keys are unset: true = mixed (default), false = bf16
+    precision: Optional[str] = None  # dense / galore / lora AdamW on a bf16 model: mixed (fp32 master + moments; default) | bf16
+    master: Optional[str] = None  # logra's sketched bf16 weights: fp32 (fp32 master, default) | kahan (bf16 compensation) | stochastic | none
+    dense_precision: Optional[str] = None  # logra's AdamW of the unsketched tensors: mixed (default) | bf16
     embeddings: Optional[bool] = None  # logra sketches the embedding and a tied head; default false
     padded: Optional[bool] = None  # prompts of different lengths (a padding mask); default true
     attention: Optional[str] = None  # sdpa | eager; default eager for Gemma-2, else sdpa
     rollout_share: Optional[float] = None  # fraction of the GPU a colocated vLLM engine reserves; default 0.3
     other_gb: Optional[float] = None  # CUDA context and allocator slack, GB; default 1.0
+    out: str = ""  # also write one CSV row per entry here (GiB per GPU by category, total, peak, verdict); "" = print only
+
+
+def entry_args(spec, argv: list[str]) -> PlanArgs:
+    """The keys for one ``methods=`` entry: the command line's, then the entry's own after ``:``
+    (``dense:precision=bf16``; a run-config spelling ``dense:dense.precision=bf16`` or ``lora:lora.r=8``
+    means the same key)."""
+    from baselines import METHODS
+
+    own = []
+    for o in spec.overrides:
+        key, _, value = o.partition("=")
+        key = key.removeprefix(f"{spec.method}.")
+        if key == getattr(METHODS.get(spec.method), "rank_key", None):
+            key = "rank"
+        own.append(f"{key}={value}")
+    return parse(PlanArgs, [a for a in argv if not a.startswith("-")] + own, doc=__doc__)[0]
 
 
 def main(argv=None) -> int:
@@ -54,18 +79,42 @@ def main(argv=None) -> int:
         if not args.model:
             raise ConfigError("model=... is required (a preset, --list shows them)")
         specs = parse_methods(args.methods)
-        if any(s.overrides for s in specs):
-            raise ConfigError("plan takes the planner's knobs as its own keys (rank=, embeddings=, ...), "
-                              "not as run-config overrides after the method name")
+        entries = [(s, entry_args(s, argv)) for s in specs]
     except ConfigError as e:
         return fail(e, "experiments.plan")
-    kwargs = {k: v for k, v in vars(args).items() if v is not None and k not in ("model", "methods")}
+    plans = []
     try:
-        plans = [plan(args.model, s.method, **kwargs) for s in specs]
+        for s, a in entries:
+            kwargs = {k: v for k, v in vars(a).items() if v is not None and k not in ("model", "methods", "out")}
+            p = plan(args.model, s.method, **kwargs)
+            p.method = s.label
+            plans.append(p)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     print("\n\n".join(p.table() for p in plans))
+    if args.out:
+        write_csv(plans, args.out)
     return 0
+
+
+def write_csv(plans, path) -> None:
+    """One row per plan: GiB per GPU by category, weights + grads + optimizer, the total, where the peak is."""
+    import csv
+    from pathlib import Path
+
+    gib = 2**30
+    rows = []
+    for p in plans:
+        c = p.categories
+        rows.append({"model": p.model, "method": p.method, **{k: round(v / gib, 3) for k, v in c.items()},
+                     "weights_grads_optimizer": round((c["params"] + c["grads"] + c["optimizer"]) / gib, 3),
+                     "total": round(p.total_bytes / gib, 3), "capacity": round(p.capacity_bytes / gib, 1),
+                     "fits": p.fits, "peak_at": p.peak_at})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
 
 
 if __name__ == "__main__":

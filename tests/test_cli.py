@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-from experiments.common.cli import parse_methods
+from experiments.common.cli import parse, parse_methods
 from experiments.common.config import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -64,3 +64,13 @@ def test_a_method_with_overrides_is_spelled_one_way():
         parse_methods("dense,lgora", known=["dense", "logra", "galore"])
     with pytest.raises(ConfigError, match="expected <method>"):
         parse_methods("logra:rank")
+
+
+def test_a_dotted_run_key_is_not_taken_for_a_tool_key_of_the_same_name():
+    """memory_table has its own key ``model`` (the model name) and takes run-config overrides: the run key
+    ``model.dtype=bfloat16`` goes to the run config, ``model=tiny-llama`` stays the tool's."""
+    from experiments.config import run_keys
+    from experiments.memory_table import MemoryTableArgs
+
+    args, overrides, _ = parse(MemoryTableArgs, ["model=tiny-llama", "model.dtype=bfloat16", "steps=1"], run_keys=run_keys)
+    assert args.model == "tiny-llama" and args.steps == 1 and overrides == ["model.dtype=bfloat16"]

@@ -83,6 +83,11 @@ def parse(cls, argv: Sequence[str], *, doc: str = "", run_keys: Optional[Callabl
         if not eq:
             raise ConfigError(f"expected key=value, got {arg!r} (--help lists the keys)")
         key = (shorthands or {}).get(key, key)
+        if run_keys is not None and "." in key:  # a dotted run key (model.dtype) even where the tool has a key `model`
+            run_known = set(run_keys()) if run_known is None else run_known
+            if key in run_known and key.split(".")[0] not in _nested_fields(cls):
+                overrides.append(arg)
+                continue
         if key.split(".")[0] in own_fields:
             own.append(f"{key}={value}")
             continue
@@ -99,6 +104,14 @@ def parse(cls, argv: Sequence[str], *, doc: str = "", run_keys: Optional[Callabl
         raise ConfigError(f"bad command line: {str(e).splitlines()[0]}") from None
     except ValueError as e:  # the dataclass's own checks (__post_init__)
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def _nested_fields(cls) -> set[str]:
+    """The fields of a tool's dataclass that are dataclasses themselves (their dotted keys are the tool's)."""
+    from dataclasses import is_dataclass
+
+    return {f.name for f in fields(cls) if is_dataclass(f.type) or (f.default_factory is not MISSING  # type: ignore[misc]
+                                                                     and is_dataclass(f.default_factory()))}  # type: ignore[misc]
 
 
 def parse_tool(cls, argv: Sequence[str], doc: str, run_keys: Callable[[], Iterable[str]]) -> tuple[dict[str, str], list[str]]:

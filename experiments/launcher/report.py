@@ -39,7 +39,6 @@ def plan_memory(run: Run, sweep: Sweep, launcher: dict) -> str:
     kwargs.setdefault("micro_batches", max(1, -(-int(per_gpu) // int(cfg.train.micro_batch_size))))
     kwargs.setdefault("logprob_chunk", int(cfg.train.logprob_chunk))
     kwargs.setdefault("gradient_checkpointing", bool(cfg.model.gradient_checkpointing))
-    kwargs.setdefault("master_weights", False)  # the harness' AdamW keeps moments in the weight dtype, no fp32 master
     try:
         p = plan(models.get(cfg.model.name, cfg.model.name), cfg.method, **kwargs)
     except Exception as e:  # noqa: BLE001  (a dry run reports, it does not stop)

@@ -8,10 +8,10 @@ Each (model, method) runs in its own process: build the architecture from the pl
 random weights in bf16 on the GPU, activation checkpointing on, one forward/backward of a random
 token batch + one optimizer step of the method as the harness builds it (any registered method:
 ``Method.setup`` with its config's defaults and ``rank`` in its ``rank_key`` field; dense: torch
-AdamW, bf16 moments, no master; LoGRA: sketches, row moments, fp32 masters), two updates,
-``torch.cuda.max_memory_allocated`` over them. The planner is asked
-for the same setting with ``master_weights=False rollout=none other_gb=0`` so both count the same
-things. Writes one CSV row per run with the GPU name.
+AdamW with fp32 masters and moments (``dense.precision=mixed``); LoGRA: sketches, row moments, fp32
+masters), two updates, ``torch.cuda.max_memory_allocated`` over them. The planner is asked
+for the same setting (the method's own options from its config, ``rollout=none other_gb=0``) so both
+count the same things. Writes one CSV row per run with the GPU name.
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def child(model: str, method: str, a: dict) -> dict:
         runner.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(dev)
-    # the HF loss (labels=ids): full logits over every position, one micro-batch per update, torch AdamW
-    # on bf16 weights (bf16 moments, no master)
+    # the HF loss (labels=ids): full logits over every position, one micro-batch per update, the method's
+    # own precision (its config's defaults)
     p = plan(model, method, micro_batch=mb, seq_len=sl, completion_len=sl, micro_batches=1, logprob_chunk=0,
-             rank=int(a["rank"]), dtype="bf16", rollout="none", other_gb=0.0, master_weights=False,
+             **{"rank": int(a["rank"]), **cls.plan_options(runner.cfg)}, dtype="bf16", rollout="none", other_gb=0.0,
              gradient_checkpointing=True)
     return {"gpu": torch.cuda.get_device_name(dev), "model": model, "method": method, "micro_batch": mb, "seq_len": sl,
             "rank": int(a["rank"]), "peak_bytes": peak, "planner_bytes": p.total_bytes, "planner_peak_at": p.peak_at,

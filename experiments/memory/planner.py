@@ -33,9 +33,12 @@ the tensor-accounting profiler (``experiments/memory/profiler.py``, ``python -m
 experiments.memory_table``): within 10 % (in fact 0.1 %) for every method on tiny-llama
 (``tests/test_planner.py``, also with a padding mask) and SmolLM2-135M (``results/memory_table/``),
 fp32 on CPU; on tiny-llama also with ``train.logprob_chunk=0`` (full logits) and activation
-checkpointing (where the head is the peak). Settings those checks do not cover (bf16/fp16 casts, CUDA
-kernels and CUDA's foreach AdamW, FSDP gathers, Gemma-2's extra norms and eager attention) are marked
-UNCHECKED in the printed assumptions. With checkpointing on SmolLM2 (``results/memory_table/checkpointing``)
+checkpointing (where the head is the peak). In bf16 the precision modes (dense ``precision=mixed|bf16``,
+logra ``master=fp32|kahan|stochastic|none``, logra with sketched embeddings, lora) were checked the same
+way on tiny-llama (``tests/test_planner.py``) and SmolLM2 (``results/memory_table_bf16/``): in bf16 HF's
+RMSNorm keeps an fp32 copy of its input, and the head's fp32 weight gradient is cast to bf16 at the end
+of its backward. Settings those checks do not cover (fp16, CUDA kernels and CUDA's foreach AdamW, FSDP
+gathers, Gemma-2's extra norms and eager attention) are marked UNCHECKED in the printed assumptions. With checkpointing on SmolLM2 (``results/memory_table/checkpointing``)
 the peak moves to the embedding's backward (dense, logra: ``backward_end``) or to a recomputed layer (lora).
 """
 
@@ -195,10 +198,13 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     ``seq_len``), ``micro_batches`` (per update, default 2: the gradients of the earlier micro-batches
     are alive during the last one's backward; 1: they are not), ``logprob_chunk`` (the harness'
     ``train.logprob_chunk``, default 256; 0 = full logits), ``gradient_checkpointing`` (default True),
-    ``master_weights`` (default: True for bf16/fp16: fp32 master + fp32 moments for AdamW; the
-    harness' plain torch AdamW on bf16 weights keeps bf16 moments and no master: pass False),
-    each method's own options (its ``plan_option_names``, e.g. logra's ``embeddings``: sketch the
-    embedding and a tied head; other methods ignore them), ``padded`` (default True: prompts of
+    each method's own options (its ``plan_option_names``, filled from its config section by
+    ``Method.plan_options``; other methods ignore them): ``precision`` (dense, galore, lora: ``mixed``
+    = fp32 master + fp32 moments, the default, or ``bf16``), logra's ``master`` (``fp32`` | ``kahan`` |
+    ``stochastic`` | ``none``: 4, 2, 0, 0 B per sketched element beside a bf16 weight),
+    ``dense_precision`` (its AdamW group) and ``embeddings`` (sketch the embedding and a tied head);
+    ``master_weights`` (the AdamW precision where a method's options name none: True = mixed, the
+    default; False = bf16), ``padded`` (default True: prompts of
     different lengths, so HF passes a padding mask to SDPA and repeats k/v to every head; False: equal
     lengths, no mask), ``attention`` (``sdpa`` or ``eager``;
     default eager for Gemma-2, whose attention softcapping SDPA refuses), ``rollout_share`` (fraction
@@ -246,9 +252,9 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
                     f"weights and activations in {dtype} ({b} B each); micro-batch {B} x {T} tokens, "
                     f"{C} completion tokens per sequence through the LM head; {k} micro-batch(es) per update"]
     if low:
-        A.append(f"{dtype}: every activation term is the fp32-checked element count times {b} B; casts the "
-                 "profiler checks did not see (fp32 copies in norms, peft's fp32 adapters on low-precision inputs, "
-                 "CUDA kernels' workspaces) are UNCHECKED")
+        A.append(f"{dtype}: every activation term is the fp32-checked element count times {b} B, except the norms' "
+                 "fp32 input copies and the fp32 head buffers (checked in bf16 on CPU); CUDA kernels' workspaces "
+                 "are UNCHECKED")
     shard_p = gpus if sharding in ("fsdp", "zero3") else 1
     shard_g = gpus if sharding in ("fsdp", "zero2", "zero3") else 1
     shard_o = gpus if sharding != "none" else 1
@@ -256,11 +262,13 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
              "activations are per GPU (data parallel)")
 
     # ---- the method's own part: state, gradients, what it saves (Method.memory_terms) ---------------
-    ctx = PlanContext(shapes=s, weight_bytes=b, master_bytes=4 if master else 0, moment_bytes=4 if master else b,
-                      rank=r, micro_batches=k, shard_params=shard_p, shard_grads=shard_g, shard_optimizer=shard_o,
-                      options={key: v for key, v in opts.items() if key in cls.plan_option_names})
-    A.append("AdamW state per trained element: " + ("fp32 master + two fp32 moments (12 B)" if master
-                                                    else f"two moments in the weight dtype ({2 * b} B), no master"))
+    ctx = PlanContext(shapes=s, weight_bytes=b, rank=r, micro_batches=k, shard_params=shard_p, shard_grads=shard_g,
+                      shard_optimizer=shard_o, options={key: v for key, v in opts.items() if key in cls.plan_option_names},
+                      precision="mixed" if master else "bf16")
+    if low:
+        A.append("AdamW precision where the method's options name none: " + (
+            "mixed (fp32 master + two fp32 moments, 12 B per trained element)" if master
+            else f"bf16 (two moments in the weight dtype, {2 * b} B, no master)"))
     try:
         mt = cls.memory_terms(ctx)
     except NotImplementedError as e:
@@ -273,7 +281,9 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     # ---- activations saved by the forward, per decoder layer and token (elements) -------------------
     nh, kv = s.heads, s.kv_heads
     per_layer = []  # (elements per token, bytes per element, what)
-    per_layer.append((2 * h, b, "residual stream: the layer's input and the mid-layer sum (RMSNorm keeps its input)"))
+    norm_in = 4  # HF's RMSNorm computes in fp32: it keeps x.float() (in fp32 that is x itself)
+    per_layer.append((2 * h, norm_in, "residual stream: the layer's input and the mid-layer sum (RMSNorm keeps its "
+                                      "input, as fp32: HF's norm upcasts; the bf16 copy is not kept)"))
     if mt.trains_norms:
         per_layer.append((2 * h, b, "two normalized x (the RMSNorm weight's gradient needs them)"))
     if mt.saves_inputs:
@@ -302,8 +312,8 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     layer_bytes = sum(e * by for e, by, _ in per_layer)  # per token
     saved_layers = N * layer_bytes * L
     if not (mt.trains_norms or mt.trains_embedding):
-        saved_layers -= N * h * b  # the embedding output needs no gradient: layer 0's norm keeps nothing
-    final = N * h * b * (1 + (1 if mt.trains_norms else 0))  # the final norm's input (+ normalized x)
+        saved_layers -= N * h * norm_in  # the embedding output needs no gradient: layer 0's norm keeps nothing
+    final = N * h * (norm_in + (b if mt.trains_norms else 0))  # the final norm's fp32 input (+ normalized x)
     A.append("saved per layer and token: " + "; ".join(f"{e} x {by} B {w}" for e, by, w in per_layer))
     # padding only: HF's additive 4-D mask in the activation dtype (the profiler sees two of them); RoPE cos/sin
     shared = (2 * B * T * T * b if padded else 0) + 2 * B * T * s.head_dim * b
@@ -354,8 +364,14 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
         if low or s.softcap:
             A.append("full-logits head in bf16/fp16 or with softcapping: UNCHECKED against the profiler")
     if mt.head_grad and chunk > 0 and plain_head:
-        head_terms.append(Term("activations", "head weight gradient (in flight)", V * h * 4 + (V * h * b if low else 0),
+        head_terms.append(Term("activations", "head weight gradient (in flight)", V * h * 4,
                                "fp32 V x h, summed into the embedding's gradient only when backward reaches the embedding"))
+        if low:  # the head's backward ends with fp32 grad_w.to(bf16) beside the last chunk's gradient only
+            freed = (bufs - 1) * min(chunk, Nl) * V * 4
+            head_terms.append(Term("activations", "head weight gradient's cast to the weight dtype",
+                                   max(0, V * h * b - freed),
+                                   f"V x h x {b} B at the end of the head's backward, less the {bufs - 1} chunk buffer(s) "
+                                   "freed by then (the larger of the two moments)"))
     if chunk > 0 and plain_head:
         head_terms += mt.head
 
