@@ -232,18 +232,19 @@ def rotation(items: list, r: int) -> list:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from baselines import METHODS
-    from experiments.common.cli import fail, parse, parse_methods
+    from experiments.common.cli import fail, parse_methods, parse_tool
     from experiments.common.config import ConfigError
     from experiments.config import run_keys
 
     try:
-        parsed, overrides, _ = parse(TimeTableArgs, argv, doc=__doc__, run_keys=run_keys)
-        parse_methods(parsed.methods, known=METHODS)
+        args, overrides = parse_tool(TimeTableArgs, argv, __doc__, run_keys)
+        parse_methods(args["methods"], known=METHODS)
     except ConfigError as e:
         return fail(e, "experiments.time_table")
-    args = {k: str(v) for k, v in asdict(parsed).items()}
     args["overrides"] = profile_overrides(args["profile"]) + overrides
     from experiments.common.provenance import git_sha
+
+    sha = git_sha()  # the code this run imports: read before it runs
 
     specs = [m.strip() for m in args["methods"].split(",") if m.strip()]
     repeats, warmup = int(args["repeats"]), int(args["warmup"])
@@ -263,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
             for t in rotation(timers, r):
                 samples[t.spec].append(t.step(seed=1000 + r))  # the same seed for every method in a round
                 print(f"[time_table] round {r + 1}/{repeats} {t.spec}: step {samples[t.spec][-1]['step']:.3f} s", flush=True)
-    sha = git_sha()
     rows = summarize(samples, args["model"], device, sha)
     out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)

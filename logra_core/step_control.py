@@ -23,9 +23,9 @@ class StepControlConfig:
     enabled: Optional[bool] = None  # predicted-KL step control (docs/design.md §3.2); None = the method's default (on for logra only)
     target_kl: float = 1e-2  # κ: the mean per-token KL(π_old‖π_new) on the probe tokens a step may reach (results/step_control)
     probe_seqs: int = 16  # at most this many sequences of the update's batch form the probe batch (their response tokens)
-    probe_fraction: float = 1.0  # probe round(fraction × batch sequences) of them (≥ 1, ≤ probe_seqs); 0.06 ≈ 5 % of a step but a 1-row probe erred by 68 % on SmolLM2 (docs/speed.md)
+    probe_fraction: float = 0.25  # probe round(fraction × batch sequences) of them (≥ 1, ≤ probe_seqs), drawn across prompt groups; SmolLM2 probe study: 4-16 of 64 sequences read the batch's KL within 4-15 % (docs/speed.md)
     chunk: int = 64  # tokens per chunk of the LM-head / vocabulary sums (CPU path; 64: extra memory below a forward's)
-    measure_realized: bool = False  # also compute the exact KL of the applied step on the probe (one more forward)
+    measure_realized: bool = False  # also compute the exact KL of the applied step on every trained response token (kl/realized; two more forwards of the batch)
     predictor: str = "secant"  # exact (second-order term by a forward-mode tangent, ~3.35 forwards of the probe) | secant (the KL measured at the last step's scale, 2 plain forwards; logra_core/kl_secant.py)
     min_trial_scale: float = 1e-3  # the secant's trial scale never drops below this (a skipped or tiny step)
     max_trials: int = 3  # secant: measure again at the chosen scale (up to this many trials) while it is > 2x off the trial

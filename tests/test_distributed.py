@@ -25,7 +25,8 @@ pytestmark = pytest.mark.integration
 BASE = [*TINY, "train.steps=3", "eval.every=0", "threads=1", "dist.seeded_groups=true", "train.logprob_chunk=0"]
 LOGRA = ["method=logra", "logra.rank=8", "logra.lr=1e-3"]
 DENSE = ["method=dense", "dense.lr=1e-3"]
-FSDP2_LOGRA = ["step_control.target_kl=1e-4", "step_control.measure_realized=true", "train.logprob_chunk=64"]
+FSDP2_LOGRA = ["step_control.target_kl=1e-4", "step_control.measure_realized=true", "train.logprob_chunk=64",
+               "step_control.probe_fraction=1"]  # every row probed: 1 and 2 processes see the same probe
 
 
 def _torchrun_cmd(runs: list[list[str]]):

@@ -30,7 +30,7 @@ def test_probe_spans_groups_and_is_seeded_by_step():
 @pytest.mark.integration
 def test_controlled_step_logs_probe_tokens(tmp_path):
     t = GRPOTrainer(build_config([*TINY, f"out_dir={tmp_path}", "eval.every=0", "method=logra", "logra.rank=4",
-                                  "step_control.probe_seqs=3"]))
+                                  "step_control.probe_seqs=3", "step_control.probe_fraction=1"]))
     torch.manual_seed(3)
     rollouts = t.engine.generate(t._prompts(t.train_problems[:2]), n=4)
     rows = torch.arange(8)
@@ -47,7 +47,8 @@ def test_secant_control_measures_at_the_last_scale_and_lands_on_kappa(tmp_path):
     """predictor=secant: step 1 measures at ε = 1, later steps at the previous step's scale; at ε = s the
     measured KL is the realized one (measure_realized), and the trial scale survives a checkpoint."""
     cfg = [*TINY, f"out_dir={tmp_path}", "eval.every=0", "method=logra", "logra.rank=4", "logra.lr=3e-2",
-           "step_control.predictor=secant", "step_control.target_kl=1e-4", "step_control.measure_realized=true"]
+           "step_control.predictor=secant", "step_control.target_kl=1e-4", "step_control.measure_realized=true",
+           "step_control.probe_fraction=1"]  # the probe is the batch: no sampling error in the comparison
     t = GRPOTrainer(build_config(cfg))
     torch.manual_seed(3)
     rollouts = t.engine.generate(t._prompts(t.train_problems[:2]), n=4)
@@ -85,7 +86,8 @@ def test_captured_probe_states_equal_a_forward_of_the_probe_batch(tmp_path):
     from logra_core.kl_predictor import hidden_states
 
     t = GRPOTrainer(build_config([*TINY, f"out_dir={tmp_path}", "eval.every=0", "method=logra", "logra.rank=4",
-                                  "step_control.predictor=secant", "step_control.probe_seqs=5"]))
+                                  "step_control.predictor=secant", "step_control.probe_seqs=5",
+                                  "step_control.probe_fraction=1"]))
     torch.manual_seed(5)
     rollouts = t.engine.generate(t._prompts(t.train_problems[:2]), n=4)
     rows = torch.arange(8)

@@ -51,7 +51,7 @@ def test_probe_rows_scale_with_the_batch():
 
     c = StepControlConfig(probe_fraction=0.06)  # at most 16
     assert [c.probe_rows(b) for b in (1, 8, 16, 32, 64, 256, 1024)] == [1, 1, 1, 2, 4, 15, 16]
-    assert [StepControlConfig().probe_rows(b) for b in (4, 16, 64)] == [4, 16, 16]  # default: probe_seqs rows
+    assert [StepControlConfig().probe_rows(b) for b in (4, 16, 64, 256)] == [1, 4, 16, 16]  # default: a quarter, ≤ 16
     assert StepControlConfig(probe_fraction=1.0, probe_seqs=16).probe_rows(16) == 16  # the whole batch: the exact path
     assert StepControlConfig(probe_fraction=1.0, probe_seqs=64).probe_rows(16) == 16
     with pytest.raises(ValueError, match="probe_fraction"):

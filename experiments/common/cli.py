@@ -101,6 +101,16 @@ def parse(cls, argv: Sequence[str], *, doc: str = "", run_keys: Optional[Callabl
         raise ConfigError(str(e).splitlines()[0]) from None
 
 
+def parse_tool(cls, argv: Sequence[str], doc: str, run_keys: Callable[[], Iterable[str]]) -> tuple[dict[str, str], list[str]]:
+    """A measurement tool's command line: ``(settings, run-config overrides)``, the settings of the
+    dataclass ``cls`` as strings (the form the tools record in their JSON), every other key checked
+    against ``run_keys()`` (``experiments.config.run_keys``). Raises :class:`ConfigError`."""
+    from dataclasses import asdict
+
+    parsed, overrides, _ = parse(cls, argv, doc=doc, run_keys=run_keys)
+    return {k: str(v) for k, v in asdict(parsed).items()}, overrides
+
+
 def fail(error: Exception, tool: str = "") -> int:
     """Print a command-line error the one way every tool does; the exit code 2."""
     print(f"config error{' (' + tool + ')' if tool else ''}: {error}", file=sys.stderr)

@@ -204,17 +204,17 @@ def summary(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from experiments.common.cli import fail, parse
+    from experiments.common.cli import fail, parse_tool
     from experiments.common.config import ConfigError
-    from experiments.common.provenance import git_sha
     from experiments.config import run_keys
+    from experiments.common.provenance import git_sha
 
     try:
-        parsed, overrides, _ = parse(ProbeStudyArgs, argv, doc=__doc__, run_keys=run_keys)
+        args, overrides = parse_tool(ProbeStudyArgs, argv, __doc__, run_keys)
     except ConfigError as e:
         return fail(e, "experiments.memory.kl_probe_study")
-    args = {k: str(v) for k, v in asdict(parsed).items()}
 
+    sha = git_sha()  # the code this run imports: read before it runs (edits during a long run would show as -dirty)
     rows, meta = run(args, overrides)
     out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows(rows)
     (out / "probe_study.json").write_text(json.dumps({
-        "command": "python -m experiments.memory.kl_probe_study " + " ".join(argv), "git_sha": git_sha(),
+        "command": "python -m experiments.memory.kl_probe_study " + " ".join(argv), "git_sha": sha,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "settings": args, "overrides": overrides,
         **meta}, indent=1))
     figure(rows, out)

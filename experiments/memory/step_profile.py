@@ -70,16 +70,15 @@ def profile_update(spec: str, args: dict, overrides: list[str]) -> tuple[Counter
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from experiments.common.cli import fail, parse
+    from experiments.common.cli import fail, parse_tool
     from experiments.common.config import ConfigError
-    from experiments.common.provenance import git_sha
     from experiments.config import run_keys
+    from experiments.common.provenance import git_sha
 
     try:
-        parsed, overrides, _ = parse(StepProfileArgs, argv, doc=__doc__, run_keys=run_keys)
+        args, overrides = parse_tool(StepProfileArgs, argv, __doc__, run_keys)
     except ConfigError as e:
         return fail(e, "experiments.memory.step_profile")
-    args = {k: str(v) for k, v in asdict(parsed).items()}
 
     specs = [m.strip() for m in args["methods"].split(",") if m.strip()]
     header = f"# python -m experiments.memory.step_profile {' '.join(argv)}\n# git sha {git_sha()}, torch {torch.__version__}, threads {torch.get_num_threads()}\n"

@@ -38,7 +38,7 @@ METRICS: dict[str, str] = {
     "kl/probe_tokens": "response tokens in the KL probe (step_control.probe_seqs rows drawn across prompt groups, summed over ranks)",
     "kl/trial_scale": "the secant predictor's last trial scale ε: kl/predicted is K(ε)/ε², the KL measured on the probe at θ + εΔ (logra_core/kl_secant.py)",
     "kl/trials": "trial forwards of the secant predictor this step (a second one when the chosen scale was > 2x off the first trial)",
-    "kl/realized": "exact KL(pi_old || pi_new) per probe token of the applied update (step_control.measure_realized)",
+    "kl/realized": "exact KL(pi_old || pi_new) per response token of the whole trained batch for the applied update (step_control.measure_realized: two more forwards of the batch)",
     "step/scale": "scale s applied to the proposed update: min(1, sqrt(target_kl / kl/predicted))",
     "step/skipped": "updates of the step skipped by the non-finite guard (a NaN/Inf in a loss, gradient, sketch or proposed update; experiments/rl/guard.py): 0 or 1 per ppo epoch; the offending tensor is named in <run_dir>/skips.jsonl",
     "step/lr": "learning rate of the update",

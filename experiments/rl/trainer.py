@@ -373,11 +373,12 @@ class GRPOTrainer:
                 at = nxt
         if scale > 0 and sc.predictor == "secant":  # the next step's trial scale (a skipped step keeps the last)
             self.kl_trial_scale = max(scale, sc.min_trial_scale)
-        if sc.measure_realized:
+        if sc.measure_realized:  # the whole trained batch, in micro-batches: the reference the probe estimates
+            batches = [probe_inputs(rollouts.select(idx), self.device)
+                       for idx in rows.split(self.cfg.train.micro_batch_size)] if len(rows) else []
             with self.dist.full_weights(self.model):
-                if inputs:
-                    head = self.model.get_output_embeddings().weight
-                    h_old, w_old = hidden_states(self.model, **inputs) / T, head.detach().clone()
+                head = self.model.get_output_embeddings().weight
+                h_old, w_old = [hidden_states(self.model, **b) / T for b in batches], head.detach().clone()
         self.method.apply(update, scale)
         if sc.predictor == "secant":
             stats.update({"kl/trial_scale": at, "kl/trials": trials})
@@ -385,10 +386,12 @@ class GRPOTrainer:
                       "kl/predicted_stderr": stderr, "kl/probe_tokens": self.dist.all_sum(weight)[0]})
         if sc.measure_realized:
             with self.dist.full_weights(self.model):
-                realized = float(exact_kl(h_old, w_old, hidden_states(self.model, **inputs) / T,
-                                          self.model.get_output_embeddings().weight.detach(), sc.chunk,
-                                          logit_softcap(self.model)).mean()) if inputs else 0.0
-            stats["kl/realized"] = self.dist.weighted_mean(realized, weight)
+                W = self.model.get_output_embeddings().weight.detach()
+                terms = [exact_kl(h, w_old, hidden_states(self.model, **b) / T, W, sc.chunk, logit_softcap(self.model))
+                         for h, b in zip(h_old, batches)]
+            tokens = float(sum(t.numel() for t in terms))
+            realized = float(sum(t.sum() for t in terms)) / tokens if tokens else 0.0
+            stats["kl/realized"] = self.dist.weighted_mean(realized, tokens)
         return stats
 
     def accumulate_gradients(self, rollouts: Rollouts, advantages: torch.Tensor, micro: list[torch.Tensor], old=None,
