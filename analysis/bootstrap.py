@@ -11,19 +11,32 @@ mean over seeds, â = (1/m) Σ_j k_j / n_j. One bootstrap replicate of â is dra
    (exactly the same distribution as resampling the outcome vector, which the runs do not log).
 
 â* = (1/m) Σ_i X_i / n_{j*_i} with X_i ~ Binomial(n_{j*_i}, k_{j*_i} / n_{j*_i}). The 95 % interval
-is the percentile interval [q_2.5, q_97.5] of B replicates (``N_BOOT``). A difference between two
-cells (a − b, e.g. logra − dense) takes the difference of their replicates, drawn independently.
+is the percentile interval [q_2.5, q_97.5] of B replicates (``N_BOOT``).
+
+A difference between two cells (Δ = a − b, e.g. logra − dense) is bootstrapped one of two ways:
+
+- paired (:func:`paired_difference`), when both cells' runs logged per-problem outcomes of their
+  final evaluation (``analysis/outcomes.py``) on the same seeds and problems: with
+  d_s = x^a_s − x^b_s ∈ {−1, 0, 1}^n the two runs of seed s compared problem by problem,
+  Δ = (1/m) Σ_s (1/n) Σ_p d_s[p], and one replicate draws m seeds s*_1 … s*_m with replacement and,
+  once, n problems p*_1 … p*_n with replacement, the same for both methods and every drawn seed:
+  Δ* = (1/m) Σ_i (1/n) Σ_j d_{s*_i}[p*_j] (seeds and problems crossed, both resampled: the two-way
+  bootstrap of a crossed design; McCullagh 2000, Owen 2007). Problem j is the j-th in id order of each
+  seed's problems — the same problem in every run when all evaluated the whole held-out split.
+  A problem both methods solve, or both miss, adds nothing to Δ* whichever replicate draws it, so
+  the interval reflects only the problems on which they disagree;
+- unpaired (:func:`difference_interval`) otherwise: the difference of the two cells' replicates
+  above, drawn independently. Cells that evaluate the same problems are positively correlated
+  problem by problem; resampling them independently ignores that and widens Δ's interval
+  (conservative).
 
 Caveats, stated with every table that uses this: with 3 seeds the seed stage can only spread what
 3 values spread (a percentile bootstrap over few seeds is too narrow more often than 5 %); with one
-seed it is the binomial interval of the problems alone. Cells that evaluate the same problems are
-positively correlated problem by problem; resampling them independently ignores that, which widens
-a difference's interval (conservative) compared with a paired bootstrap, which would need per-problem
-outcomes.
+seed it is the problems' interval alone.
 
-Reproducible: each cell's replicates come from ``numpy.random.default_rng([SEED, crc32(key)])``,
-so a cell's interval depends on its own runs and name only, not on which other cells are drawn or
-in what order.
+Reproducible: each cell's (and each paired difference's) replicates come from
+``numpy.random.default_rng([SEED, crc32(key)])``, so an interval depends on its own runs and name
+only, not on which other cells are drawn or in what order.
 """
 
 from __future__ import annotations
@@ -89,3 +102,22 @@ def mean_interval(correct, problems, key: str, n_boot: int = N_BOOT, seed: int =
 def difference_interval(a: tuple[Interval, np.ndarray], b: tuple[Interval, np.ndarray]) -> Interval:
     """a − b (estimate and replicates of :func:`mean_interval`) with its 95 % percentile interval."""
     return percentile_interval(a[0].estimate - b[0].estimate, a[1] - b[1])
+
+
+def paired_difference(diffs, key: str, n_boot: int = N_BOOT, seed: int = SEED) -> Interval:
+    """Δ = mean over seeds and problems of ``diffs`` with its paired 95 % interval (module docstring).
+
+    ``diffs[s, p]`` = x^a − x^b ∈ {−1, 0, 1} for seed s (row) and problem p (column), e.g.
+    ``outcomes.pair``'s."""
+    d = np.asarray(diffs, dtype=float)
+    if d.ndim != 2 or 0 in d.shape:
+        raise ValueError(f"need a (seeds, problems) array of differences, got shape {d.shape}")
+    if not np.isin(d, (-1.0, 0.0, 1.0)).all():
+        raise ValueError("differences of 0/1 outcomes must be -1, 0 or 1")
+    m, n = d.shape
+    rng = generator(key, seed)
+    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)  # problems: how often each is drawn, once per replicate
+    per_seed = counts @ d.T / n  # (n_boot, m): every seed's Δ on the replicate's problems
+    seeds = rng.integers(0, m, size=(n_boot, m))  # seeds with replacement, the same for both methods
+    reps = np.take_along_axis(per_seed, seeds, axis=1).mean(axis=1)
+    return percentile_interval(float(d.mean()), reps)

@@ -105,7 +105,7 @@ def accuracy_rows(root: Path, runs: pd.DataFrame) -> list[dict]:
             "measured": (f"{fmt(100 * r.delta, 1, signed=True)} pp, 95 % interval [{fmt(100 * r.delta_low, 1, signed=True)}, "
                          f"{fmt(100 * r.delta_high, 1, signed=True)}]; ≥ −5 pp: {r.verdict}"),
             "scale": f"{model} {dtype}, {r.seeds} seed{'s' if r.seeds > 1 else ''} × {steps} steps, "
-                     f"{r.problems} held-out problems; bootstrap over seeds and problems",
+                     f"{r.problems} held-out problems; {r.pairing.split(':')[0]} bootstrap over seeds and problems",
             "results": _where(root)})
     return rows
 

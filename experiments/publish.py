@@ -16,9 +16,10 @@ publishes the finished runs only and merges them into the destination (a run alr
 earlier publish stays; the cpu profile is meant to be run and published in parts); without it the
 destination is replaced, keeping only its ``README.md``.
 
-What is copied: each finished run directory and the root's other data folders (``memory/``,
-``time/``, ...), without ``checkpoints/``, ``submitit/`` logs and anything git ignores at the
-destination. ``summary.csv`` (the launcher's run list) and the analysis step's ``tables/`` and
+What is copied: each finished run directory (config, meta, metrics, samples, the per-problem
+``eval_outcomes.jsonl`` the paired accuracy intervals need, ...) and the root's other data folders
+(``memory/``, ``time/``, ...), without ``checkpoints/``, ``submitit/`` logs and anything git ignores
+at the destination. ``summary.csv`` (the launcher's run list) and the analysis step's ``tables/`` and
 ``figures/`` are then rewritten from the destination's own runs, and the headline lines of
 ``tables/summary.md`` (each method's best learning rate, logra − dense with its interval) printed
 for the destination's README.

@@ -73,6 +73,9 @@ def runs(tmp_path_factory):
         # step control on and binding (scale < 1), the chunked LM head, an engine copy per rank
         "logra_fsdp2": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "rollout.engine=hf"],
         "logra_fsdp2_6": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "train.steps=6"],  # uninterrupted: test_fsdp2_sigterm_resume
+        # known per-problem outcomes, 5 problems over 2 ranks (3 + 2 and one padding): test_eval_outcomes_of_every_rank
+        "marked_ddp": [*DENSE, "dist.strategy=ddp", "task=toy_marked", "train.steps=1", "eval.every=1", "eval.size=5",
+                       "eval.batch_size=2"],
     }
     torchrun([[*BASE, f"out_dir={root / name}", *args] for name, args in cases.items()])
     one_process(root / "logra_1", *LOGRA)
@@ -112,6 +115,21 @@ def test_fsdp2_engine_copies_equal_trainer(runs, name):
         assert [r["full"] for r in rows] == [True] + [False] * updates  # the initial full sync, then one per update
         assert all(r["equal"] for r in rows), rows
         assert all(r.get("sync/resyncs", 0) == 0 for r in rows)
+
+
+def test_eval_outcomes_of_every_rank(runs):
+    """Rank 0 writes every rank's outcomes in the held-out order, the padding left out."""
+    from experiments.rl.tasks import TaskConfig, held_out
+    from tests.toy_task import ToyMarked
+
+    uids = [p.uid for p in held_out(ToyMarked(TaskConfig(name="toy_marked")).test_split(), 5, 0)]
+    expected = "".join("1" if int(uid.rsplit("/", 1)[1]) % 3 == 0 else "0" for uid in uids)
+    lines = [json.loads(line) for line in (runs / "marked_ddp" / "eval_outcomes.jsonl").read_text().splitlines()]
+    evals = [m for m in read_metrics(runs / "marked_ddp") if "eval/accuracy" in m]
+    assert [line["step"] for line in lines] == [m["step"] for m in evals] == [0, 1]
+    for line, m in zip(lines, evals):
+        assert line["problem_ids"] == uids and line["correct"] == expected
+        assert line["correct"].count("1") == round(m["eval/accuracy"] * m["eval/num_problems"]) and m["eval/num_problems"] == 5
 
 
 def test_allreduce_bytes_logged(runs):

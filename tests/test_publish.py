@@ -46,6 +46,7 @@ def setup(tmp_path, monkeypatch):
         (run.run_dir / "submitit" / "0_log.out").write_text("log")
         (run.run_dir / "weights.pt").write_text("x")
         (run.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        (run.run_dir / "eval_outcomes.jsonl").write_text('{"step":1,"problem_ids":["arith/test/0"],"correct":"1"}\n')
     monkeypatch.chdir(repo)
     return sweep, root, repo / "results" / "s"
 
@@ -78,7 +79,7 @@ def test_partial_then_full_publish(setup, monkeypatch):
     files = published_files(dest)
     assert {f.split("/")[1] for f in files if f.startswith("runs/")} == set(done)  # finished runs only
     for name in done:
-        assert {f"runs/{name}/{f}" for f in ("calls.txt", "done.json", "metrics.jsonl")} <= files
+        assert {f"runs/{name}/{f}" for f in ("calls.txt", "done.json", "metrics.jsonl", "eval_outcomes.jsonl")} <= files
     assert not any("checkpoints" in f or "submitit" in f or f.endswith(".pt") for f in files)
     with open(dest / "summary.csv") as f:
         status = {row["name"]: row["status"] for row in csv.DictReader(f)}

@@ -1,6 +1,7 @@
 """The learning-rate sweep table, the accuracy intervals, the memory–accuracy points and the claims
 table, on tiny fake results roots written here in the launcher's layout (``runs/<name>-<hash8>/``
-with config.yaml, meta.json, metrics.jsonl, done.json; ``memory/memory.csv``; ``time/time.csv``).
+with config.yaml, meta.json, metrics.jsonl, done.json, eval_outcomes.jsonl where a test asks for it;
+``memory/memory.csv``; ``time/time.csv``).
 
 Expected numbers come from the closed forms below and from the bootstrap's textbook cases (a
 constant, a binomial proportion, two equally likely seed values), not from the code under test.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 import zlib
 from pathlib import Path
@@ -18,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from analysis import bootstrap, claims, intervals, lr_sweep, tradeoff
+from analysis import bootstrap, claims, intervals, lr_sweep, outcomes, tradeoff
 from analysis.__main__ import main
 from analysis.load import load_runs, per_run
 
@@ -56,6 +58,16 @@ def write_run(root: Path, name: str, method: str, seed: int, accs: dict[int, flo
         lines.append(json.dumps(row) + "\n")
     (run / "metrics.jsonl").write_text("".join(lines))
     return run
+
+
+def write_outcomes(run: Path, step: int, solved: set[int], order: str) -> None:
+    """An ``eval_outcomes.jsonl`` line (the trainer's layout, experiments/rl/run_dir.py): problems
+    ``arith/test/<i>``, i < PROBLEMS, in an order shuffled by ``order``, those in ``solved`` correct."""
+    ids = list(range(PROBLEMS))
+    random.Random(order).shuffle(ids)
+    line = {"step": step, "problem_ids": [f"arith/test/{i}" for i in ids], "correct": "".join(str(int(i in solved)) for i in ids)}
+    with open(run / "eval_outcomes.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 # ---- the bootstrap ---------------------------------------------------------------------------------
@@ -112,6 +124,44 @@ def test_verdict_reads_the_interval_against_minus_five_points():
     assert intervals.verdict(bootstrap.Interval(-0.02, -0.045, 0.01)) == "yes"
     assert intervals.verdict(bootstrap.Interval(-0.10, -0.14, -0.06)) == "no"
     assert intervals.verdict(bootstrap.Interval(-0.04, -0.08, 0.0)) == "undecided"
+
+
+def test_paired_difference_of_identical_outcomes_is_exactly_zero():
+    d = np.zeros((3, PROBLEMS))  # both methods solved the same problems in every seed
+    assert bootstrap.paired_difference(d, key="same") == bootstrap.Interval(0.0, 0.0, 0.0)
+
+
+def test_paired_difference_of_one_seed_is_the_disagreement_interval():
+    # one seed, a misses 50 problems b solves and agrees on the rest: Δ = −0.1, and a replicate's Δ is
+    # −(draws among those 50)/500 ~ −Binomial(500, 0.1)/500 -> −0.1 ± 1.96·√(0.1·0.9/500) = −0.1 ± 0.0263
+    d = np.zeros((1, PROBLEMS))
+    d[0, :50] = -1
+    delta = bootstrap.paired_difference(d, key="one")
+    half = 1.96 * math.sqrt(0.1 * 0.9 / PROBLEMS)
+    assert delta.estimate == pytest.approx(-0.1)
+    assert delta.low == pytest.approx(-0.1 - half, abs=0.004) and delta.high == pytest.approx(-0.1 + half, abs=0.004)
+
+
+def test_paired_difference_resamples_the_seeds_and_the_problems_once():
+    # seed 0: a is 0.2 ahead, seed 1: 0.2 behind, on disjoint problems; with both stages the replicates'
+    # mean is 0 (±) and their spread at least the seeds' alone (Δ ∈ {−0.2, 0, 0.2} w.p. 1/4, 1/2, 1/4)
+    d = np.zeros((2, PROBLEMS))
+    d[0, :100], d[1, 100:200] = 1, -1
+    delta = bootstrap.paired_difference(d, key="two")
+    assert delta.estimate == 0.0 and delta.low < -0.18 and delta.high > 0.18
+    assert bootstrap.paired_difference(d, key="two") == delta  # seeded: the same interval again
+    with pytest.raises(ValueError):
+        bootstrap.paired_difference(np.full((1, 3), 2.0), key="x")  # not a difference of 0/1 outcomes
+
+
+def test_outcomes_pair_by_seed_and_problem_id():
+    a = [outcomes.RunOutcomes(1, "a1", {"p2": 1, "p1": 0}), outcomes.RunOutcomes(0, "a0", {"p1": 1, "p2": 1})]
+    b = [outcomes.RunOutcomes(0, "b0", {"p2": 0, "p1": 1}), outcomes.RunOutcomes(1, "b1", {"p1": 1, "p2": 1})]
+    d, why = outcomes.pair(a, b)
+    assert why == "" and d.tolist() == [[0, 1], [-1, 0]]  # rows: seeds 0, 1; columns: p1, p2
+    assert outcomes.pair(a, b[:1])[0] is None  # seed 1 has no partner
+    other = [b[0], outcomes.RunOutcomes(1, "b1", {"p1": 1, "p3": 1})]
+    assert "different problems" in outcomes.pair(a, other)[1]
 
 
 # ---- the learning-rate sweep -----------------------------------------------------------------------
@@ -191,14 +241,25 @@ CPU_FINAL = {("arith", "dense"): (380, 385, 390), ("arith", "logra"): (378, 386,
 STEP_PEAK_MIB = {"dense": 2000, "logra": 1200, "logra:logra.embeddings=true": 960}
 
 
-def make_cpu_root(root: Path, memory_csv: bool = True, time_csv: bool = True) -> Path:
-    for (setting, kind), counts in CPU_FINAL.items():
+def make_cpu_root(root: Path, memory_csv: bool = True, time_csv: bool = True, eval_outcomes: bool = False,
+                  final: dict | None = None) -> Path:
+    """The reproduction's root (``final``: correct answers per cell and seed, CPU_FINAL by default).
+    ``eval_outcomes``: each run also logs its per-problem outcomes (step 0: none solved; the final
+    step: the first k of a ranking of the problems drawn per task setting and seed — shared by the
+    methods, so who solves what is strongly correlated between them, as on a real task)."""
+    for (setting, kind), counts in (final or CPU_FINAL).items():
         method = "dense" if kind == "dense" else "logra"
         lr = {"dense": 1e-5, "logra": 4e-5, "nokl": 2e-5, "emb": 4e-5}[kind]
         for seed, k in zip(SEEDS, counts):
-            write_run(root, f"{setting}-{kind}-s{seed}", method, seed, {0: 0.05, 15: 0.4, 30: k / PROBLEMS}, lr,
-                      task={"digits": 3} if setting == "digits3" else None, control=False if kind == "nokl" else None,
-                      embeddings=kind == "emb", sync_ratio=0.25 if method == "logra" else 1.0)
+            name = f"{setting}-{kind}-s{seed}"
+            run = write_run(root, name, method, seed, {0: 0.05, 15: 0.4, 30: k / PROBLEMS}, lr,
+                            task={"digits": 3} if setting == "digits3" else None, control=False if kind == "nokl" else None,
+                            embeddings=kind == "emb", sync_ratio=0.25 if method == "logra" else 1.0)
+            if eval_outcomes:
+                ranking = list(range(PROBLEMS))
+                random.Random(f"{setting}/{seed}").shuffle(ranking)
+                write_outcomes(run, 0, set(), order=name)  # each run its own problem order: paired by id
+                write_outcomes(run, 30, set(ranking[:k]), order=name)
     if memory_csv:
         (root / "memory").mkdir()
         rows = ["method,model,peak_bytes,params_bytes,grads_bytes,optimizer_bytes,activations_bytes,peak_rss_bytes,"
@@ -251,6 +312,70 @@ def test_interval_table_matches_the_counts(cpu_runs):
     logra = data[(data["variant"] == variant_of(cpu_runs, "arith", "logra")) & (data["task_label"] == "arith digits=2")].iloc[0]
     assert emb.delta_high < -0.05 and emb.verdict == "no"  # 20 points below
     assert logra.delta_low > -0.05 and logra.verdict == "yes"  # equal: the interval stays above −5 pp
+
+
+def _row(data, runs, setting, kind):
+    task = "arith digits=3" if setting == "digits3" else "arith digits=2"
+    return data[(data["task_label"] == task) & (data["variant"] == variant_of(runs, setting, kind))].iloc[0]
+
+
+def test_without_outcomes_the_interval_is_unpaired_and_says_so(cpu_runs):
+    table = intervals.table(cpu_runs)
+    others = table.data[table.data["pairing"] != ""]
+    assert len(others) == 4 and others["pairing"].str.startswith("unpaired: ").all()
+    assert "no eval_outcomes.jsonl line for its final evaluation (step 30)" in others["pairing"].iloc[0]
+    assert any(n.startswith("Δ's 95 % interval: unpaired") for n in table.notes)
+
+
+@pytest.fixture(scope="module")
+def paired_runs(tmp_path_factory):
+    return load_runs(make_cpu_root(tmp_path_factory.mktemp("paired"), eval_outcomes=True))
+
+
+def test_paired_interval_is_narrower_on_correlated_outcomes(cpu_runs, paired_runs):
+    """The same counts as the unpaired root, now with outcomes where both methods solve mostly the same
+    problems: the same Δ, every interval paired and narrower — logra's (Δ of −2, +1, +1 problems per
+    seed) to a fraction."""
+    unpaired, table = intervals.table(cpu_runs).data, intervals.table(paired_runs)
+    assert any(n.startswith("Δ's 95 % interval: paired bootstrap") for n in table.notes)
+    for (setting, kind) in CPU_FINAL:
+        if kind == "dense":
+            continue
+        u, p = _row(unpaired, cpu_runs, setting, kind), _row(table.data, paired_runs, setting, kind)
+        assert p.pairing == "paired" and p.delta == pytest.approx(u.delta)
+        assert p.delta_low <= p.delta <= p.delta_high
+        assert p.delta_high - p.delta_low < u.delta_high - u.delta_low
+    u, p = _row(unpaired, cpu_runs, "arith", "logra"), _row(table.data, paired_runs, "arith", "logra")
+    assert p.delta_high - p.delta_low < 0.3 * (u.delta_high - u.delta_low)
+    assert _row(table.data, paired_runs, "arith", "emb").verdict == "no" and p.verdict == "yes"
+    again = intervals.table(paired_runs).data
+    assert again[["delta_low", "delta_high"]].equals(table.data[["delta_low", "delta_high"]])  # seeded
+
+
+def test_identical_outcomes_give_a_zero_difference_interval(tmp_path):
+    same = {("arith", "dense"): (380, 385, 390), ("arith", "logra"): (380, 385, 390)}
+    runs = load_runs(make_cpu_root(tmp_path, memory_csv=False, time_csv=False, eval_outcomes=True, final=same))
+    data = intervals.table(runs).data
+    r = data[data["variant"] == "logra"].iloc[0]  # the only task and logra variant: no keys in their names
+    assert r.pairing == "paired" and (r.delta, r.delta_low, r.delta_high) == (0.0, 0.0, 0.0)
+
+
+def test_paired_falls_back_to_unpaired_for_a_cell_missing_outcomes(tmp_path):
+    root = make_cpu_root(tmp_path, memory_csv=False, time_csv=False, eval_outcomes=True)
+    runs = load_runs(root)
+    gone = Path(runs[runs["run"].str.startswith("runs/arith-nokl-s1-")]["run_dir"].iloc[0]) / "eval_outcomes.jsonl"
+    gone.unlink()
+    wrong = Path(runs[runs["run"].str.startswith("runs/arith-emb-s2-")]["run_dir"].iloc[0]) / "eval_outcomes.jsonl"
+    lines = wrong.read_text().splitlines()
+    last = json.loads(lines[-1]) | {"correct": "1" * PROBLEMS}  # disagrees with its metrics' 290 of 500
+    wrong.write_text("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
+    table = intervals.table(runs)
+    nokl, emb = _row(table.data, runs, "arith", "nokl"), _row(table.data, runs, "arith", "emb")
+    assert nokl.pairing.startswith("unpaired: runs/arith-nokl-s1-") and "no eval_outcomes.jsonl line" in nokl.pairing
+    assert emb.pairing.startswith("unpaired: runs/arith-emb-s2-") and "500 of 500 correct, its metrics 290 of 500" in emb.pairing
+    assert _row(table.data, runs, "arith", "logra").pairing == "paired"
+    note = next(n for n in table.notes if n.startswith("Δ's 95 % interval"))
+    assert "paired bootstrap" in note and "for arith digits=2 logra" in note and "the others unpaired" in note
 
 
 def test_memory_accuracy_points_pair_each_variant_with_its_memory_row(cpu_root, cpu_runs):

@@ -1,6 +1,8 @@
 """Tier 2 and 3: tiny end-to-end GRPO runs, accumulation and resume invariants."""
 
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from experiments.rl.metrics import read_metrics
 from experiments.rl.trainer import GRPOTrainer
 from tests.conftest import TINY
 from experiments.rl.tasks import TaskConfig, held_out
-from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
+from tests.toy_task import Toy, ToyMarked  # noqa: F401  (registers the toy tasks)
 
 pytestmark = pytest.mark.integration
 
@@ -133,6 +135,7 @@ def test_resume_without_checkpoint_restarts_cleanly(tmp_path):
     shutil.rmtree(tmp_path / "c" / "checkpoints")
     _, metrics = run(tmp_path, "train.steps=2", "checkpoint.every=0", "resume=true", name="c")
     assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [line["step"] for line in _outcomes(tmp_path / "c")] == [0, 2]  # the step-0 evaluation not twice
 
 
 def test_tensorboard_option_writes_events(tmp_path):
@@ -166,3 +169,31 @@ def test_the_run_seed_orders_the_evaluated_held_out_problems(tmp_path):
         trainer.close()
         assert seen[seed] == [p.uid for p in held_out(test, 5, seed)]
     assert seen[0] != seen[1]
+
+
+def _outcomes(run_dir):
+    return [json.loads(line) for line in (run_dir / "eval_outcomes.jsonl").read_text().splitlines()]
+
+
+def test_eval_outcomes_match_the_metrics_and_are_redone_after_a_resume(tmp_path):
+    """eval_outcomes.jsonl: one line per evaluation with the held-out problems by uid in the run's order
+    and each one's known outcome (toy_marked: solved iff its index ≡ 0 mod 3), as many solved as
+    eval/accuracy counts; resuming from an earlier checkpoint drops the later lines and writes them again."""
+    common = ["task=toy_marked", "train.steps=4", "eval.every=2", "eval.size=5", "eval.batch_size=2",
+              "checkpoint.every=2", "checkpoint.keep=5", "seed=1"]
+    _, metrics = run(tmp_path, *common, name="o")
+    uids = [p.uid for p in held_out(ToyMarked(TaskConfig(name="toy_marked")).test_split(), 5, 1)]
+    expected = "".join("1" if int(uid.rsplit("/", 1)[1]) % 3 == 0 else "0" for uid in uids)
+    assert uids != sorted(uids, key=lambda u: int(u.rsplit("/", 1)[1])) and "1" in expected and "0" in expected
+    lines = _outcomes(tmp_path / "o")
+    evals = [m for m in metrics if "eval/accuracy" in m]
+    assert [line["step"] for line in lines] == [m["step"] for m in evals] == [0, 2, 4]
+    for line, m in zip(lines, evals):
+        assert line["problem_ids"] == uids and line["correct"] == expected
+        assert line["correct"].count("1") == round(m["eval/accuracy"] * m["eval/num_problems"])
+    written = (tmp_path / "o" / "eval_outcomes.jsonl").read_text()
+
+    shutil.rmtree(list_checkpoints(tmp_path / "o")[-1])  # as if killed after step 4's evaluation, before its checkpoint
+    resumed, metrics = run(tmp_path, *common, "resume=true", name="o")
+    assert resumed.step == 4 and [m["step"] for m in metrics if "eval/accuracy" in m] == [0, 2, 4]
+    assert (tmp_path / "o" / "eval_outcomes.jsonl").read_text() == written  # step 4's line dropped, then redone

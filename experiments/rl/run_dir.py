@@ -2,7 +2,8 @@
 
 It holds ``config.yaml`` (the resolved config), ``meta.json`` (git sha, library versions, start time,
 one entry per resumption), ``metrics.jsonl`` (the metrics writer's), ``samples.jsonl`` (a few
-completions per step), ``skips.jsonl`` (updates the non-finite guard skipped) and the checkpoints
+completions per step), ``eval_outcomes.jsonl`` (every evaluation's per-problem outcomes),
+``skips.jsonl`` (updates the non-finite guard skipped) and the checkpoints
 (``experiments/rl/checkpoint.py``, written and read by the distributed strategy). A run refuses to start in a directory that holds one unless
 ``resume=true``, and a resumption refuses a config that differs in a key that matters
 (``experiments.config.config_diff``). Only the main rank writes here.
@@ -26,6 +27,7 @@ from experiments.rl import checkpoint as ckpt
 from experiments.rl.metrics import truncate_jsonl
 
 CONFIG, META, SAMPLES, SKIPS = "config.yaml", "meta.json", "samples.jsonl", "skips.jsonl"
+EVAL_OUTCOMES = "eval_outcomes.jsonl"  # analysis/outcomes.py reads it
 
 
 class RunDirectory:
@@ -71,9 +73,10 @@ class RunDirectory:
         return found[-1] if found else None
 
     def truncate_after(self, step: int) -> None:
-        """Drop the samples and skips written after ``step`` (they are redone on resume, not duplicated)."""
-        truncate_jsonl(self.path / SAMPLES, step)
-        truncate_jsonl(self.path / SKIPS, step)
+        """Drop the samples, skips and evaluation outcomes written after ``step`` (they are redone on
+        resume, not duplicated; ``step`` = -1 drops them all, the step-0 evaluation included)."""
+        for name in (SAMPLES, SKIPS, EVAL_OUTCOMES):
+            truncate_jsonl(self.path / name, step)
 
     # ---- per-step records -------------------------------------------------------------------------
     def append_samples(self, records: list[dict]) -> None:
@@ -81,6 +84,18 @@ class RunDirectory:
         with open(self.path / SAMPLES, "a") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
+
+    def append_eval_outcomes(self, step: int, problem_ids: list[str], correct: list[bool]) -> None:
+        """``eval_outcomes.jsonl``: one evaluation's per-problem outcomes, one line
+        ``{"step": s, "problem_ids": [uid, ...], "correct": "0110..."}`` — the held-out problems by their
+        task uid (``Problem.uid``: their place in the task's unshuffled split, the same for every method
+        and seed) in the order evaluated, and character i ``1`` where problem i was answered correctly
+        (its count over the line is ``eval/accuracy`` · ``eval/num_problems`` of that step)."""
+        if len(problem_ids) != len(correct):
+            raise ValueError(f"{len(problem_ids)} problem ids but {len(correct)} outcomes")
+        line = {"step": step, "problem_ids": list(problem_ids), "correct": "".join("1" if c else "0" for c in correct)}
+        with open(self.path / EVAL_OUTCOMES, "a") as f:
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def append_skip(self, record: dict) -> None:
         """``skips.jsonl``: an update the non-finite guard skipped (step, why, how many in a row)."""

@@ -141,7 +141,7 @@ class GRPOTrainer:
         # records written after that checkpoint are redone, not duplicated
         self.metrics.truncate_after(self.step if found else -1)
         if self.dist.is_main:
-            self.directory.truncate_after(self.step)
+            self.directory.truncate_after(self.step if found else -1)
 
     def save(self) -> None:
         state = {"epoch": self.epoch, "cursor": self.cursor, "consecutive_skips": self.consecutive_skips,
@@ -453,7 +453,8 @@ class GRPOTrainer:
     # ---- evaluation, logging --------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 on the run's ``eval.size`` held-out problems (``tasks.held_out``: a seeded order)."""
+        """Greedy pass@1 on the run's ``eval.size`` held-out problems (``tasks.held_out``: a seeded order);
+        the main rank appends every problem's outcome to ``eval_outcomes.jsonl`` (``RunDirectory``)."""
         c = self.cfg
         t0 = time.perf_counter()
         correct, lengths = [], []
@@ -466,6 +467,11 @@ class GRPOTrainer:
                 correct += self.reward_fn(out.texts, [p.reference for p in batch])
                 lengths += out.completion_mask.sum(1).tolist()
         n_correct, n, length_sum = self.dist.all_sum(sum(r > 0.5 for r in correct[:real]), real, sum(lengths[:real]))
+        # rank r evaluated problems[r·k:(r+1)·k], padded past the end (dist.shard_padded): gathered in rank
+        # order, the first len(test_problems) outcomes are the held-out problems' in their order
+        solved = self.dist.gather(torch.tensor([r > 0.5 for r in correct], dtype=torch.float32))[: len(self.test_problems)]
+        if self.dist.is_main:
+            self.directory.append_eval_outcomes(self.step, [p.uid for p in self.test_problems], (solved > 0.5).tolist())
         return {
             "eval/accuracy": n_correct / max(n, 1),
             "eval/num_problems": n,
