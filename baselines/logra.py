@@ -39,7 +39,7 @@ class LoGRAConfig:
     seed: int = 0  # seeds A = f(seed, layer, step)
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # regexes of the nn.Linear names to sketch
     embeddings: bool = False  # also sketch the input embedding and an LM head tied to it (else they train by AdamW)
-    dense_lr: float = 5e-6  # AdamW learning rate of the unsketched tensors (embeddings, norms); untuned (half the best dense rate seen), tuned with lr by the lr sweep (docs/lr.md)
+    dense_lr: float = 5e-6  # AdamW learning rate of the unsketched tensors (embeddings, norms); untuned (half the best dense rate seen), tuned with lr by the lr sweep (docs/design.md §3.1, "Learning rates")
     max_grad_norm: float = 1.0  # clip the estimated global norm √(Σ‖S‖² + Σ‖g‖²) of sketches and dense gradients (logra_core/clip.py); 0 = off
     master: str = "fp32"  # how a bf16/fp16 sketched weight takes W ← W − lr·D·A: fp32 (fp32 master) | kahan (bf16 compensation) | stochastic (stochastic rounding) | none (round to nearest); fp32 models ignore it (docs/precision.md)
     dense_precision: str = "mixed"  # AdamW of the unsketched tensors of a bf16/fp16 model: mixed (fp32 master + moments) | bf16 (on the tensor itself); fp32 models ignore it

@@ -13,7 +13,7 @@ unbiased, E_A[S A] = G E[Aᵀ A] = G, and so is ‖S‖² for ‖G‖². The opt
 unbiased estimate of anything dense: D normalises each row of S (at t = 1, D_i = √r·S_i/‖S_i‖₂,
 :mod:`logra_core.optimizer`), so a row of D A has norm ≈ √n, of which only ≈ √r lies along the
 gradient row (the rest spreads over A's random r-dimensional row space); in expectation it is
-about √(r/n) times a dense row-normalised step (docs/lr.md).
+about √(r/n) times a dense row-normalised step (docs/design.md §3.1, "Learning rates").
 
 A is never stored: Philox-4x32-10, a counter-based generator keyed by the seed with (element block,
 layer, step) as the counter, regenerates the same bits on any device and in any process, so a

@@ -1,4 +1,4 @@
-"""The first-step update scale behind the logra/dense learning-rate ratio (docs/lr.md): per row,
+"""The first-step update scale behind the logra/dense learning-rate ratio (docs/design.md §3.1, "Learning rates"): per row,
 torch AdamW's step has norm η√n and a component η‖g‖₁/‖g‖₂ along −g; LoGRA's has norm ≈ η√n and
 a component ≈ η√r along −g."""
 
