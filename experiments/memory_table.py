@@ -26,7 +26,6 @@ peak, ``planner_peak_at`` the planner's candidate peak.
 
 from __future__ import annotations
 
-import csv
 import json
 from dataclasses import asdict, dataclass
 import os
@@ -38,7 +37,7 @@ import torch
 
 from experiments.common.cli import fail, parse, parse_methods
 from experiments.common.config import ConfigError
-from experiments.common.provenance import git_sha
+from experiments.common.provenance import git_sha, write_results
 
 COLUMNS = ["method", "model", "peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
            "peak_rss_bytes", "planner_bytes", "planner_ratio", "planner_peak_at", "peak_phase", "seq_len", "git_sha"]
@@ -180,13 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{spec}: the child process failed (exit {proc.returncode})")
         rows.append({**json.loads(lines[-1][7:]), "git_sha": sha})
     out = Path(args["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "memory.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    (out / "memory.json").write_text(json.dumps({"command": "python -m experiments.memory_table " + " ".join(argv),
-                                                 "git_sha": sha, "settings": args, "rows": rows}, indent=1))
+    write_results(out, "memory", rows, {"command": "python -m experiments.memory_table " + " ".join(argv),
+                                        "git_sha": sha, "settings": args, "rows": rows}, COLUMNS)
     figure(rows, out)
     base = rows[0]["peak_bytes"]
     mib = 2**20

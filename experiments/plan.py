@@ -99,8 +99,9 @@ def main(argv=None) -> int:
 
 def write_csv(plans, path) -> None:
     """One row per plan: GiB per GPU by category, weights + grads + optimizer, the total, where the peak is."""
-    import csv
     from pathlib import Path
+
+    from experiments.common.provenance import write_csv as write_rows
 
     gib = 2**30
     rows = []
@@ -110,11 +111,7 @@ def write_csv(plans, path) -> None:
                      "weights_grads_optimizer": round((c["params"] + c["grads"] + c["optimizer"]) / gib, 3),
                      "total": round(p.total_bytes / gib, 3), "capacity": round(p.capacity_bytes / gib, 1),
                      "fits": p.fits, "peak_at": p.peak_at})
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(Path(path), rows)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ medians); prints the table.
 
 from __future__ import annotations
 
-import csv
 from dataclasses import asdict, dataclass
 import json
 import statistics
@@ -242,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail(e, "experiments.time_table")
     args["overrides"] = profile_overrides(args["profile"]) + overrides
-    from experiments.common.provenance import git_sha
+    from experiments.common.provenance import git_sha, write_results
 
     sha = git_sha()  # the code this run imports: read before it runs
 
@@ -266,16 +265,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[time_table] round {r + 1}/{repeats} {t.spec}: step {samples[t.spec][-1]['step']:.3f} s", flush=True)
     rows = summarize(samples, args["model"], device, sha)
     out = Path(args["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "time.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
     meta = {"command": "python -m experiments.time_table " + " ".join(argv), "git_sha": sha, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "device": device,
             "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
             "settings": args, "phases": PHASES + ["step"], "samples": samples}
-    (out / "time.json").write_text(json.dumps(meta, indent=1))
+    write_results(out, "time", rows, meta, COLUMNS)
     figure(rows, out)
     print_table(rows)
     return 0

@@ -16,13 +16,13 @@ count the same things. Writes one CSV row per run with the GPU name.
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from experiments.common import provenance
 from experiments.common.cli import fail, parse, parse_methods
 from experiments.common.config import ConfigError
 
@@ -86,13 +86,7 @@ def child(model: str, method: str, a: dict) -> dict:
 
 def write_csv(rows: list[dict], out) -> Path:
     """One row per (model, method) run, the columns of the first row (gpu, model, method, ..., planner_over_measured)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    return out
+    return provenance.write_csv(Path(out), rows)
 
 
 def summary(r: dict) -> str:

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 import copy
-import csv
-import json
 import statistics
 import sys
 import tempfile
@@ -207,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.common.cli import fail, parse_tool
     from experiments.common.config import ConfigError
     from experiments.config import run_keys
-    from experiments.common.provenance import git_sha
+    from experiments.common.provenance import git_sha, write_results
 
     try:
         args, overrides = parse_tool(ProbeStudyArgs, argv, __doc__, run_keys)
@@ -217,15 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     sha = git_sha()  # the code this run imports: read before it runs (edits during a long run would show as -dirty)
     rows, meta = run(args, overrides)
     out = Path(args["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "probe_study.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    (out / "probe_study.json").write_text(json.dumps({
+    write_results(out, "probe_study", rows, {
         "command": "python -m experiments.memory.kl_probe_study " + " ".join(argv), "git_sha": sha,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "settings": args, "overrides": overrides,
-        **meta}, indent=1))
+        **meta}, COLUMNS)
     figure(rows, out)
     text = "\n".join(summary(rows))
     (out / "probe_study.txt").write_text(text + "\n")
