@@ -309,33 +309,47 @@ def predict_kl(model: nn.Module, input_ids: torch.Tensor, attention_mask: Option
                             temperature).mean().item()
 
 
-def sampled_mean(terms: torch.Tensor, rows: torch.Tensor, population: int) -> tuple[float, float]:
+def sampled_mean(terms: torch.Tensor, rows: torch.Tensor, population: int,
+                 row_weights: Optional[torch.Tensor] = None, weight_mean: float = 1.0) -> tuple[float, float]:
     """The batch's mean token KL from the probe's per-token terms, and its standard error.
 
     The probe holds n of the batch's ``population`` sequences, drawn at random without replacement;
-    ``rows[t]`` is token t's probe row. The estimate is the ratio estimator mean = Σ_i S_i / Σ_i n_i
-    (S_i, n_i: row i's sum of terms and token count), the token mean of the probe. Its standard error
-    as an estimate of the same mean over every sequence of the batch (Cochran, *Sampling
-    Techniques*, 1977, §6.4: ratio estimator, finite population) is
+    ``rows[t]`` is token t's probe row. With S_i the sum of row i's terms and x_i an auxiliary size
+    known for every row of the batch, the estimate is the ratio estimator
 
-        se = √((1 − n/N) / n) · sd_i(S_i − mean·n_i) / mean_i(n_i).
+        mean = (Σ_i S_i / Σ_i x_i) · X / N_tok
+
+    (X: the batch's Σ x, N_tok: its token count). x_i = n_i (row i's token count, the default) gives
+    the probe's token mean. ``row_weights`` = w (one per probe row) gives x_i = w_i n_i, with
+    ``weight_mean`` = X / N_tok the batch's token mean of w: a size that tracks S_i cuts the sampling
+    error (docs/speed.md: w = |advantage|). Its standard error as an estimate of the same mean over
+    every sequence of the batch (Cochran, *Sampling Techniques*, 1977, §6.4: ratio estimator, finite
+    population) is
+
+        se = √((1 − n/N) / n) · sd_i(S_i − R̂·x_i) / mean_i(x_i) · X / N_tok,   R̂ = Σ S_i / Σ x_i.
 
     Rows, not tokens, are the sampled units (the tokens of one sequence are correlated). n = N gives
-    se = 0 (the whole batch is probed); n = 1 gives NaN (one row says nothing about the spread).
+    se = 0 (the whole batch is probed: the weights cancel); n = 1 gives NaN (one row says nothing
+    about the spread).
     """
     terms = terms.double()
     n = int(rows.max()) + 1 if rows.numel() else 0
     if n == 0:
         return 0.0, 0.0
     S = torch.zeros(n, dtype=torch.float64, device=terms.device).index_add_(0, rows, terms)
-    counts = torch.bincount(rows, minlength=n).to(torch.float64)
-    mean = float(S.sum() / counts.sum())
+    x = torch.bincount(rows, minlength=n).to(torch.float64)
     if n >= population:
-        return mean, 0.0
+        return float(S.sum() / x.sum()), 0.0
+    if row_weights is not None:
+        x = x * row_weights.to(device=x.device, dtype=torch.float64)
+        if not float(x.sum()) > 0:
+            raise ValueError("sampled_mean: the probe rows' weights sum to zero")
+    ratio = float(S.sum() / x.sum())
+    mean = ratio * weight_mean
     if n < 2:
         return mean, float("nan")
-    resid = S - mean * counts
-    se = ((1 - n / population) / n) ** 0.5 * float(resid.std()) / float(counts.mean())
+    resid = S - ratio * x
+    se = ((1 - n / population) / n) ** 0.5 * float(resid.std()) / float(x.mean()) * weight_mean
     return mean, se
 
 
@@ -356,15 +370,17 @@ def predict_kl_sampled(model: nn.Module, input_ids: torch.Tensor, attention_mask
                        position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
                        dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
                        population: Optional[int] = None, temperature: float = 1.0, predictor: str = "exact",
-                       at: float = 1.0, h_old: Optional[torch.Tensor] = None) -> tuple[float, float]:
+                       at: float = 1.0, h_old: Optional[torch.Tensor] = None,
+                       row_weights: Optional[torch.Tensor] = None, weight_mean: float = 1.0) -> tuple[float, float]:
     """(KL̂(1), its standard error) for a probe of ``input_ids.shape[0]`` sequences drawn from a batch
     of ``population`` (default: the probe is the batch, se = 0); see :func:`sampled_mean`.
 
     ``predictor``: "exact" (:func:`predict_kl`'s second-order term) or "secant" (the KL measured at the
     trial scale ``at``, divided by at²: :func:`logra_core.kl_secant.trial_kl_terms`, which takes the
     probe's hidden states at θ as ``h_old`` when the caller has them). Reading the
-    probe's value as the batch's KL carries a sampling error, stated by se. ``positions`` is required
-    (the response tokens).
+    probe's value as the batch's KL carries a sampling error, stated by se; ``row_weights`` /
+    ``weight_mean`` choose the ratio estimator's size variable (:func:`sampled_mean`). ``positions`` is
+    required (the response tokens).
     """
     if positions is None:
         raise ValueError("predict_kl_sampled needs positions (the probe's response tokens)")
@@ -372,7 +388,7 @@ def predict_kl_sampled(model: nn.Module, input_ids: torch.Tensor, attention_mask
     terms = predictor_terms(predictor)(model, input_ids, attention_mask, position_ids, lowrank, dense, positions,
                                        chunk, temperature, **extra)
     rows = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1).expand_as(positions)[positions]
-    return sampled_mean(terms, rows.to(terms.device), population or positions.shape[0])
+    return sampled_mean(terms, rows.to(terms.device), population or positions.shape[0], row_weights, weight_mean)
 
 
 def exact_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W_new: torch.Tensor,

@@ -104,3 +104,42 @@ def test_captured_probe_states_equal_a_forward_of_the_probe_batch(tmp_path):
     record = t.train_step()  # the loop's own path: captured states, the secant's trial logged
     assert record["kl/trial_scale"] == 1.0 and record["kl/trials"] >= 1 and record["kl/predicted"] > 0
     t.close()
+
+
+@pytest.mark.integration
+def test_advantage_weighted_probe_reads_the_batch_mean(tmp_path):
+    """probe_weighting=advantage: the probe rows weigh |advantage| × tokens; with the whole batch probed
+    the prediction equals the token-weighted one (the weights cancel), and a partial probe's prediction
+    is the ratio estimator over the probe's rows; a zero-advantage trained row falls back to tokens."""
+    from logra_core.kl_predictor import predictor_terms, sampled_mean
+    from experiments.rl.trainer import probe_inputs
+
+    base = [*TINY, f"out_dir={tmp_path}", "eval.every=0", "method=logra", "logra.rank=4", "step_control.predictor=exact"]
+    t = GRPOTrainer(build_config([*base, "step_control.probe_weighting=advantage", "step_control.probe_fraction=0.5"]))
+    torch.manual_seed(3)
+    rollouts = t.engine.generate(t._prompts(t.train_problems[:2]), n=4)
+    rows = torch.arange(8)
+    adv = torch.tensor([-1.5, -1.0, -0.2, 0.4, 1.3, 0.7, -0.5, 2.0])  # no zero; the probe's |A| ≠ the batch's
+    t.method.zero_grad()
+    t.accumulate_gradients(rollouts, adv, [rows])
+    update, _ = t.method.propose()
+    probe = t._probe(rows)
+    sizes = t._probe_weights(rollouts, rows, probe, adv)
+    n = rollouts.completion_mask.sum(1).double()
+    assert torch.equal(sizes[0], adv[probe].abs().double())
+    assert sizes[1] == pytest.approx(float((adv.abs().double() * n).sum() / n.sum()))
+    inputs = probe_inputs(rollouts.select(probe), t.device)
+    terms = predictor_terms("exact")(t.model, inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"],
+                                     update.lowrank, update.dense, inputs["positions"], t.cfg.step_control.chunk)
+    r = torch.arange(len(probe)).unsqueeze(1).expand_as(inputs["positions"])[inputs["positions"]]
+    expected = sampled_mean(terms, r, 8, *sizes)
+    got = t.dist.predict_kl(t.model, inputs, update, t.cfg.step_control.chunk, population=8, weights=sizes)
+    assert got[0] == pytest.approx(expected[0], rel=1e-9) and got[1] == pytest.approx(expected[1], rel=1e-9)
+    unweighted = sampled_mean(terms, r, 8)
+    assert got[0] != pytest.approx(unweighted[0], rel=1e-6)  # the weights change a partial probe's reading
+    assert t._probe_weights(rollouts, rows, probe, adv * (torch.arange(8) != 3)) is None  # a zero: tokens
+    stats = t._controlled_step(rollouts, rows, advantages=adv)
+    assert stats["kl/predicted"] > 0 and stats["kl/predicted_stderr"] > 0
+    t.close()
+    with pytest.raises(Exception, match="probe_weighting"):
+        build_config([*base, "step_control.probe_weighting=rows"])

@@ -303,19 +303,21 @@ class DataParallel:
         return SyncSender(model)
 
     def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None,
-                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None):
+                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None, weights=None):
         """This rank's predicted KL of ``update`` on its probe ``inputs`` (0.0 without a probe); a
         collective wherever the weights are sharded, so every rank calls it. With ``population`` (the
         sequences the probe was drawn from): (prediction, its standard error as that batch's mean,
-        ``logra_core.kl_predictor.predict_kl_sampled``; ``predictor``, ``at``: its exact or secant path)."""
+        ``logra_core.kl_predictor.predict_kl_sampled``; ``predictor``, ``at``: its exact or secant path;
+        ``weights``: (the probe rows' weights, the batch's token mean of them) for its ratio estimator)."""
         from logra_core.kl_predictor import predict_kl, predict_kl_sampled
 
         if not inputs:
             return 0.0 if population is None else (0.0, 0.0)
         if population is not None:
+            row_weights, weight_mean = weights or (None, 1.0)
             return predict_kl_sampled(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk,
                                       population=population, temperature=temperature, predictor=predictor, at=at,
-                                      h_old=h_old)
+                                      h_old=h_old, row_weights=row_weights, weight_mean=weight_mean)
         return predict_kl(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk, temperature=temperature)
 
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -455,7 +457,7 @@ class FSDP2(DataParallel):
                 m.set_reshard_after_forward(True, recurse=False)
 
     def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None,
-                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None):
+                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None, weights=None):
         """The KL predictor on the gathered weights (a collective: every rank calls it, with or
         without a probe). A low-rank ΔW = D A of a row-sharded weight enters with its whole D, the
         ranks' rows all-gathered (m × r: small), and the same A on every rank (rebuilt from the
@@ -463,17 +465,19 @@ class FSDP2(DataParallel):
         from logra_core.kl_predictor import predict_kl, predict_kl_sampled
 
         if not self.distributed:
-            return super().predict_kl(model, inputs, update, chunk, population, temperature, predictor, at, h_old)
+            return super().predict_kl(model, inputs, update, chunk, population, temperature, predictor, at, h_old, weights)
         lowrank = {}
         for name, (D, A) in update.lowrank.items():
             weight = model.get_submodule(name).weight
             lowrank[name] = (gather_rows(D, weight), A)
         dense = {name: (d.full_tensor() if isinstance(d, DTensor) else d) for name, d in update.dense.items()}
+        row_weights, weight_mean = weights or (None, 1.0)
         with self.full_weights(model):  # gathering is a collective: ranks without a probe take part
             if population is not None:
                 return predict_kl_sampled(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
                                           population=population, temperature=temperature, predictor=predictor,
-                                          at=at, h_old=h_old) if inputs else (0.0, 0.0)
+                                          at=at, h_old=h_old, row_weights=row_weights,
+                                          weight_mean=weight_mean) if inputs else (0.0, 0.0)
             return predict_kl(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
                               temperature=temperature) if inputs else 0.0
 

@@ -287,7 +287,7 @@ class GRPOTrainer:
                 stats["step/skipped"] += 1.0
                 continue
             with self._phase("optimizer"):
-                step_stats = self._controlled_step(rollouts, rows, h_old) if self.step_control else self.method.step()
+                step_stats = self._controlled_step(rollouts, rows, h_old, advantages) if self.step_control else self.method.step()
             if step_stats is None:  # the proposed update was not finite: not applied
                 stats["step/skipped"] += 1.0
                 continue
@@ -346,11 +346,27 @@ class GRPOTrainer:
         probe = self._probe(rows)
         return ProbeCapture(self.model.get_decoder(), probe) if len(probe) else None
 
-    def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor, h_old: torch.Tensor | None = None
-                         ) -> dict[str, float] | None:
+    def _probe_weights(self, rollouts: Rollouts, rows: torch.Tensor, probe: torch.Tensor,
+                       advantages: torch.Tensor | None) -> tuple[torch.Tensor, float] | None:
+        """(the probe rows' weights w, the batch's token mean of w) for the ratio estimator
+        (logra_core.kl_predictor.sampled_mean), or None: every row weighs its tokens.
+        ``probe_weighting=advantage``: w = |advantage|, the row's share of the update — measured on
+        SmolLM2 to track the row's KL (docs/speed.md); tokens where a trained row has advantage 0
+        (kl_coef > 0 or skip_zero_advantage=false), whose KL w = 0 could not stand for."""
+        if self.cfg.step_control.probe_weighting != "advantage" or advantages is None:
+            return None
+        a = advantages.detach().abs().double().cpu()
+        if not bool((a[rows] > 0).all()):
+            return None
+        n = rollouts.completion_mask.sum(1).double().cpu()
+        return a[probe.cpu()], float((a[rows] * n[rows]).sum() / n[rows].sum())
+
+    def _controlled_step(self, rollouts: Rollouts, rows: torch.Tensor, h_old: torch.Tensor | None = None,
+                         advantages: torch.Tensor | None = None) -> dict[str, float] | None:
         """Propose the update, predict its KL on a probe of the batch, apply it scaled (docs/design.md §3.2).
         None: the update was not finite and is not applied (the optimizer's moments have advanced).
-        ``h_old``: the probe's hidden states at θ, kept from the update's forward (secant predictor)."""
+        ``h_old``: the probe's hidden states at θ, kept from the update's forward (secant predictor);
+        ``advantages``: the batch's, for ``step_control.probe_weighting=advantage``."""
         sc = self.cfg.step_control
         update, stats = self.method.propose()
         if self._skip_if_nonfinite(update_nonfinite(update)):
@@ -358,12 +374,14 @@ class GRPOTrainer:
         probe = self._probe(rows)
         inputs = probe_inputs(rollouts.select(probe), self.device) if len(probe) else None
         weight = float(inputs["positions"].sum()) if inputs else 0.0
+        sizes = self._probe_weights(rollouts, rows, probe, advantages) if inputs else None
         T = self.temperature  # the probe's distributions are the sampler's, softmax(z / T)
         with self._phase("kl_predict"):  # a collective where the weights are sharded: every rank calls it
             at, trials = self.kl_trial_scale, 0
             while True:  # secant: measure again at the chosen scale while it is more than 2x off the trial's
                 predicted, stderr = self.dist.predict_kl(self.model, inputs, update, sc.chunk, population=len(rows),
-                                                         temperature=T, predictor=sc.predictor, at=at, h_old=h_old)
+                                                         temperature=T, predictor=sc.predictor, at=at, h_old=h_old,
+                                                         weights=sizes)
                 predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
                 stderr = self.dist.weighted_mean(stderr, weight)  # the sampling error of reading it as the batch's KL
                 scale, trials = step_scale(predicted, sc.target_kl), trials + 1
