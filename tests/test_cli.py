@@ -23,6 +23,7 @@ TOOLS = [
     ("experiments.publish", "too=results/x", "to"),
     ("experiments.time_table", "repeatss=1", "repeats"),
     ("experiments.memory.kl_probe_study", "drawss=1", "draws"),
+    ("experiments.memory.probe_weighting_study", "drawz=1", "draws"),
     ("experiments.memory.step_profile", "topp=3", "top"),
     ("experiments.weight_motion", "sampel=3", "sample"),
 ]
