@@ -81,8 +81,11 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
             ckpt = _checkpoint(args["policy"])
             state = load_file(str(ckpt / "model.safetensors"))
             missing, unexpected = tr.model.load_state_dict(state, strict=False)
-            if unexpected or [k for k in missing if "lm_head" not in k]:  # a tied head is saved once
-                raise ValueError(f"policy {ckpt}: missing {missing}, unexpected {unexpected}")
+            params = dict(tr.model.named_parameters(remove_duplicate=False))
+            loaded = {id(params[k]) for k in state if k in params}
+            untied = [k for k in missing if k not in params or id(params[k]) not in loaded]  # a tied weight is saved once
+            if unexpected or untied:
+                raise ValueError(f"policy {ckpt}: missing {untied}, unexpected {unexpected}")
             tr.sync()  # the rollout engine's copy follows
         tc, model = cfg.train, tr.model
         head = model.get_output_embeddings().weight
