@@ -277,9 +277,11 @@ def test_sampled_mean_standard_error_equals_the_exact_sampling_variance():
     assert sampled_mean(terms_by_row[0], torch.zeros(L, dtype=torch.long), N)[1] != sampled_mean(terms_by_row[0], torch.zeros(L, dtype=torch.long), N)[1]  # NaN
 
 
-def test_sampled_probe_error_within_its_stated_standard_error():
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sampled_probe_error_within_its_stated_standard_error(weighted):
     """The cheaper path on a tiny Llama: probes of 4 of 12 rows predict the whole batch's KL̂ within the
-    error they state (RMS error / RMS stated se near 1, most draws within 2 se); the whole batch is exact."""
+    error they state (RMS error / RMS stated se near 1, most draws within 2 se); the whole batch is exact.
+    ``weighted``: the ratio estimator with row weights unrelated to the KL (the worst case for it)."""
     from logra_core.kl_predictor import predict_kl_sampled
 
     model = tiny_llama()
@@ -288,20 +290,24 @@ def test_sampled_probe_error_within_its_stated_standard_error():
     mask = torch.ones_like(ids)
     positions = torch.zeros_like(ids, dtype=torch.bool)
     positions[:, 4:] = True
+    w = torch.rand(12, generator=gen, dtype=torch.float64) + 0.5
+    sizes = lambda rows: dict(row_weights=w[rows], weight_mean=float(w.mean())) if weighted else {}  # 6 tokens a row
     lowrank, dense = make_update(model, "mixed", scale=0.1)
-    full, se_full = predict_kl_sampled(model, ids, mask, None, lowrank, dense, positions, population=12)
+    full, se_full = predict_kl_sampled(model, ids, mask, None, lowrank, dense, positions, population=12,
+                                       **sizes(torch.arange(12)))
     assert se_full == 0.0 and abs(full / predict_kl(model, ids, mask, None, lowrank, dense, positions) - 1) < 1e-12
     errors, ses = [], []
-    for d in range(16):
+    for d in range(24):
         rows = torch.randperm(12, generator=torch.Generator().manual_seed(d))[:4]
-        got, se = predict_kl_sampled(model, ids[rows], mask[rows], None, lowrank, dense, positions[rows], population=12)
+        got, se = predict_kl_sampled(model, ids[rows], mask[rows], None, lowrank, dense, positions[rows],
+                                     population=12, **sizes(rows))
         errors.append(got - full)
         ses.append(se)
     errors, ses = torch.tensor(errors), torch.tensor(ses)
     assert (ses > 0).all()
     ratio = float(errors.square().mean().sqrt() / ses.square().mean().sqrt())
     assert 0.5 < ratio < 2.0, ratio
-    assert float((errors.abs() <= 2 * ses).float().mean()) >= 0.75, (errors / ses).tolist()
+    assert float((errors.abs() <= 2 * ses).float().mean()) >= 0.7, (errors / ses).tolist()
 
 
 def test_weighted_ratio_estimator_states_its_error_and_beats_tokens_when_the_size_tracks_the_kl():
@@ -341,34 +347,3 @@ def test_weighted_ratio_estimator_states_its_error_and_beats_tokens_when_the_siz
         sampled_mean(torch.cat(per_token[:2]), torch.arange(2).repeat_interleave(lengths[:2]), N,
                      torch.zeros(2, dtype=torch.float64), 1.0)
 
-
-def test_advantage_weighted_probe_error_within_its_stated_standard_error():
-    """The weighted path on a tiny Llama (row weights unrelated to its KL: the worst case for the
-    estimator): probes of 4 of 12 rows still predict the whole batch's KL̂ within the error they state."""
-    from logra_core.kl_predictor import predict_kl_sampled
-
-    model = tiny_llama()
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 128, (12, 10), generator=gen)
-    mask = torch.ones_like(ids)
-    positions = torch.zeros_like(ids, dtype=torch.bool)
-    positions[:, 4:] = True
-    w = torch.rand(12, generator=gen, dtype=torch.float64) + 0.5
-    lowrank, dense = make_update(model, "mixed", scale=0.1)
-    full, _ = predict_kl_sampled(model, ids, mask, None, lowrank, dense, positions, population=12)
-    w_mean = float(w.mean())  # every row has 6 response tokens
-    same, se_full = predict_kl_sampled(model, ids, mask, None, lowrank, dense, positions, population=12,
-                                       row_weights=w, weight_mean=w_mean)
-    assert se_full == 0.0 and abs(same / full - 1) < 1e-12
-    errors, ses = [], []
-    for d in range(24):
-        rows = torch.randperm(12, generator=torch.Generator().manual_seed(d))[:4]
-        got, se = predict_kl_sampled(model, ids[rows], mask[rows], None, lowrank, dense, positions[rows],
-                                     population=12, row_weights=w[rows], weight_mean=w_mean)
-        errors.append(got - full)
-        ses.append(se)
-    errors, ses = torch.tensor(errors), torch.tensor(ses)
-    assert (ses > 0).all()
-    ratio = float(errors.square().mean().sqrt() / ses.square().mean().sqrt())
-    assert 0.5 < ratio < 2.0, ratio
-    assert float((errors.abs() <= 2 * ses).float().mean()) >= 0.7, (errors / ses).tolist()
