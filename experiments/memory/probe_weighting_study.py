@@ -16,7 +16,7 @@ The per-token KL is the same for both, so the comparison is of the sampling erro
 ``policy``: a run directory (its newest checkpoint) or a checkpoint directory whose
 ``model.safetensors`` replaces the starting weights — a trained policy has more groups with mixed
 rewards (SmolLM2 at step 0 trains on few rows). The policy moves on by one controlled training step
-between batches.
+between batches (``advance=false``: every batch is drawn from the same policy, about half the time).
 
 Writes ``<out>/probe_weighting.csv`` (one row per batch × size × draw × estimator), ``.json``
 (command, git sha, settings, per-batch facts) and ``.txt`` (median / 80th-percentile relative error,
@@ -45,6 +45,7 @@ class ProbeWeightingArgs:
     seed: int = 0  # run seed (rollouts, data order) and the probes' seeds
     out: str = "results/step_control/probe_weighting"  # output folder
     max_tries: int = 30  # stop after this many batches drawn, studied or not
+    advance: bool = True  # one controlled training step between batches; false: every batch from the same policy
 
 
 COLUMNS = ["batch", "step", "trained_rows", "trained_tokens", "scale", "exact", "probe_seqs", "draw", "estimator",
@@ -148,8 +149,9 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
                                         "stderr": se, "rel_err": err, "within_25": err <= 0.25,
                                         "within_2se": abs(m - exact) <= 2 * se})
             tr.method.zero_grad()
-            tr.train_step()  # the policy moves on (a controlled step, as the run config says)
-            tr.step += 1
+            if str(args["advance"]).lower() in ("true", "1"):
+                tr.train_step()  # the policy moves on (a controlled step, as the run config says)
+            tr.step += 1  # a new draw of problems and probes either way
         tr.close()
     return out, {"batches": batches, "tries": tries}
 
