@@ -7,7 +7,8 @@
 For each of ``batches`` real GRPO batches (the trainer's own rollouts, rewards and group advantages;
 the trained rows are those with a nonzero advantage), one logra update is proposed, scaled so the
 whole batch's exact KL is κ (``target_kl``; s ≤ 1), and the exact per-token KL of that step is measured
-on every trained response token (two forwards; weights restored). Then ``draws`` probes of k rows
+on every trained response token (``logra_core.kl_secant.trial_kl_terms`` at ε = s: a forward at
+θ + sΔ through hooks, no weight changed). Then ``draws`` probes of k rows
 per size, drawn as the trainer draws them (``experiments.rl.trainer.probe_rows``: across prompt
 groups, seeded), read the batch's mean token KL with each size variable of the ratio estimator
 (``logra_core.kl_predictor.sampled_mean``: tokens, the default; advantage, rows weighted by |A|).
@@ -69,7 +70,8 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
     from experiments.config import build_config
     from experiments.rl.grpo import group_advantages
     from experiments.rl.trainer import GRPOTrainer, probe_inputs, probe_rows
-    from logra_core.kl_predictor import exact_kl, hidden_states, sampled_mean
+    from logra_core.kl_predictor import hidden_states, sampled_mean
+    from logra_core.kl_secant import trial_kl_terms
 
     sizes = sorted(int(x) for x in str(args["probe_seqs"]).split(",") if x)
     seed, kappa = int(args["seed"]), float(args["target_kl"])
@@ -89,7 +91,6 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
                 raise ValueError(f"policy {ckpt}: missing {untied}, unexpected {unexpected}")
             tr.sync()  # the rollout engine's copy follows
         tc, model = cfg.train, tr.model
-        head = model.get_output_embeddings().weight
         tries = 0
         while len(batches) < int(args["batches"]) and tries < int(args["max_tries"]):
             tries += 1
@@ -99,7 +100,9 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
             rewards = torch.tensor(tr.reward_fn(rollouts.texts, refs), dtype=torch.float32)
             adv = group_advantages(rewards, tc.group_size, tc.std_normalize)
             rows = (adv != 0).nonzero().squeeze(-1)
-            if len(rows) >= 2 * sizes[0]:
+            if len(rows) < 2 * sizes[0]:
+                print(f"[probe_weighting] try {tries}: {len(rows)} trained rows, skipped", flush=True)
+            else:
                 sel = rollouts.select(rows)
                 micro = list(rows.split(tc.micro_batch_size))
                 tr.method.zero_grad()
@@ -107,22 +110,14 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
                 update, _ = tr.method.propose()
                 parts = [probe_inputs(sel.select(i), tr.device) for i in torch.arange(len(rows)).split(tc.micro_batch_size)]
                 h_old = [hidden_states(model, **p) for p in parts]
-                w_old = head.detach().clone()
-                saved = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-                def kl_at(s: float) -> torch.Tensor:
-                    tr.method.apply(update, s)
-                    t = torch.cat([exact_kl(h, w_old, hidden_states(model, **p), head.detach(), 64)
-                                   for h, p in zip(h_old, parts)])
-                    with torch.no_grad():
-                        for n, p in model.named_parameters():
-                            p.copy_(saved[n])
-                    return t
+                def kl_at(s: float) -> torch.Tensor:  # the exact KL of the step s·Δ; no weight is changed
+                    return torch.cat([trial_kl_terms(model, **p, lowrank=update.lowrank, dense=update.dense, chunk=64,
+                                                     at=s, h_old=h) * s**2 for h, p in zip(h_old, parts)])
 
                 unit = kl_at(1.0)
                 scale = min(1.0, math.sqrt(kappa / float(unit.mean()))) if float(unit.mean()) > 0 else 1.0
                 terms = kl_at(scale) if scale < 1 else unit
-                del saved
                 lengths = sel.completion_mask.sum(1)
                 row_of = torch.arange(len(rows)).repeat_interleave(lengths)
                 exact = float(terms.double().mean())
