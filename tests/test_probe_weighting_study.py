@@ -15,7 +15,7 @@ def test_probe_weighting_study_writes_both_estimators_per_probe(tmp_path, capsys
     from experiments.memory.probe_weighting_study import main
 
     out = tmp_path / "pw"
-    argv = [f"out={out}", "batches=1", "probe_seqs=2", "draws=3", "max_tries=6", "target_kl=1e-4",
+    argv = [f"out={out}", "batches=2", "probe_seqs=2", "draws=3", "max_tries=6", "target_kl=1e-4", "advance=false",
             *[a for a in TINY if not a.startswith("eval.")], "train.prompts_per_step=4", "logra.rank=4", "logra.lr=3e-2"]
     rc = main(argv)
     if rc == 1:  # the toy policy never produced a batch with mixed rewards in 6 tries
@@ -23,7 +23,7 @@ def test_probe_weighting_study_writes_both_estimators_per_probe(tmp_path, capsys
     assert rc == 0
     rows = [r for r in (out / "probe_weighting.csv").read_text().splitlines()[1:]]
     meta = json.loads((out / "probe_weighting.json").read_text())
-    assert meta["git_sha"] and len(meta["batches"]) == 1 and len(rows) == 3 * 2
+    assert meta["git_sha"] and len(meta["batches"]) == 2 and len(rows) == 2 * 3 * 2  # later batches sampled too
     import csv
     recs = list(csv.DictReader((out / "probe_weighting.csv").open()))
     assert {r["estimator"] for r in recs} == {"tokens", "advantage"}

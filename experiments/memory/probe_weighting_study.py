@@ -26,7 +26,7 @@ share within ±25 %, share within 2 stated se, per estimator and size, pooled ov
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 import math
 import statistics
 import sys
@@ -95,7 +95,7 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
         while len(batches) < int(args["batches"]) and tries < int(args["max_tries"]):
             tries += 1
             problems = tr._next_problems(tc.prompts_per_step)
-            rollouts = tr.engine.generate(tr._prompts(problems), tc.group_size, tr.step)
+            rollouts = tr.dist.generate(tr.engine, tr._prompts(problems), tc.group_size, tr.step)  # sampled, as train_step
             refs = [p.reference for p in problems for _ in range(tc.group_size)]
             rewards = torch.tensor(tr.reward_fn(rollouts.texts, refs), dtype=torch.float32)
             adv = group_advantages(rewards, tc.group_size, tc.std_normalize)
