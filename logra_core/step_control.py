@@ -27,7 +27,7 @@ class StepControlConfig:
     target_kl: float = 1e-2  # κ: the mean per-token KL(π_old‖π_new) on the probe tokens a step may reach (results/step_control)
     probe_seqs: int = 16  # at most this many sequences of the update's batch form the probe batch (their response tokens)
     probe_fraction: float = 0.25  # probe round(fraction × batch sequences) of them (≥ 1, ≤ probe_seqs), drawn across prompt groups; SmolLM2 probe study: 4-16 of 64 sequences read the batch's KL within 4-15 % (docs/speed.md)
-    probe_weighting: str = "tokens"  # the ratio estimator's size per probe row: tokens (the probe's token mean) | advantage (tokens × |advantage|: SmolLM2 batches read with ~30 % less sampling error at the same probe, docs/speed.md)
+    probe_weighting: str = "tokens"  # the ratio estimator's size per probe row: tokens (the probe's token mean) | advantage (tokens × |advantage|; on a trained SmolLM2 policy 1.6-1.7x the sampling error of tokens: an option to study, docs/speed.md)
     chunk: int = 64  # tokens per chunk of the LM-head / vocabulary sums (CPU path; 64: extra memory below a forward's)
     measure_realized: bool = False  # also compute the exact KL of the applied step on every trained response token (kl/realized; two more forwards of the batch)
     predictor: str = "secant"  # exact (second-order term by a forward-mode tangent, ~3.35 forwards of the probe) | secant (the KL measured at the last step's scale, 2 plain forwards; logra_core/kl_secant.py)

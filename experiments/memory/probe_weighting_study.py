@@ -1,7 +1,7 @@
 """Which size variable lets a small KL probe read the whole batch's KL: tokens or |advantage| × tokens.
 
     python -m experiments.memory.probe_weighting_study [policy=<run dir or checkpoint dir>] [batches=6]
-        [probe_seqs=4,8,12,16] [draws=300] [target_kl=0.01] [seed=0] [out=results/step_control/probe_weighting]
+        [probe_seqs=4,8,12,16] [draws=300] [target_kl=0.01] [seed=0] [out=results/time_table/probe_weighting]
         [run-config key=value ...]     (default run config: config=arith_compare method=logra)
 
 For each of ``batches`` real GRPO batches (the trainer's own rollouts, rewards and group advantages;
@@ -44,7 +44,7 @@ class ProbeWeightingArgs:
     draws: int = 300  # random probes per size and batch
     target_kl: float = 0.01  # κ the step is scaled to before the KL is measured
     seed: int = 0  # run seed (rollouts, data order) and the probes' seeds
-    out: str = "results/step_control/probe_weighting"  # output folder
+    out: str = "results/time_table/probe_weighting"  # output folder
     max_tries: int = 30  # stop after this many batches drawn, studied or not
     advance: bool = True  # one controlled training step between batches; false: every batch from the same policy
 
