@@ -181,6 +181,14 @@ def test_dense_and_lora_payloads_stay_equal(tmp_path, method, engine):
         assert all(r["sync/bytes"] < 0.5 * r["sync/full_bytes"] for r in synced)
 
 
+def flip_sign_bit(t: torch.Tensor) -> None:
+    """Flip one bit in place: the sign bit of ``t``'s largest-magnitude element. (A low mantissa bit,
+    which an earlier version flipped, can leave every merged weight unchanged, and then the checksum
+    rightly sees nothing: CI caught that once.)"""
+    i = int(t.abs().argmax())
+    t.view(torch.uint8).view(-1)[i * t.element_size() + t.element_size() - 1] ^= 0x80  # little-endian: sign in the last byte
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("engine", ["hf", "hf_process"])
 def test_trainer_heals_a_corrupt_and_a_lost_payload(tmp_path, engine):
@@ -196,7 +204,7 @@ def test_trainer_heals_a_corrupt_and_a_lost_payload(tmp_path, engine):
         calls.append(payload.version)
         if not payload.full and len(calls) == 4:
             payload = copy.deepcopy(payload)
-            next(iter(payload.lowrank.values())).left.view(torch.uint8).view(-1)[0] ^= 0x10
+            flip_sign_bit(max(payload.lowrank.values(), key=lambda op: op.left.abs().max()).left)
         if not payload.full and len(calls) == 6:
             return True  # lost in transit
         return deliver_(payload)
