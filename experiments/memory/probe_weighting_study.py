@@ -1,4 +1,5 @@
-"""Which size variable lets a small KL probe read the whole batch's KL: tokens or |advantage| × tokens.
+"""Which size variable lets a small KL probe read the whole batch's KL: tokens, |advantage| × tokens, or
+the tokens' spread at θ (Gini impurity 1 − Σp², entropy) summed over the row.
 
     python -m experiments.memory.probe_weighting_study [policy=<run dir or checkpoint dir>] [batches=6]
         [probe_seqs=4,8,12,16] [draws=300] [target_kl=0.01] [seed=0] [out=results/time_table/probe_weighting]
@@ -11,8 +12,9 @@ on every trained response token (``logra_core.kl_secant.trial_kl_terms`` at ε =
 θ + sΔ through hooks, no weight changed). Then ``draws`` probes of k rows
 per size, drawn as the trainer draws them (``experiments.rl.trainer.probe_rows``: across prompt
 groups, seeded), read the batch's mean token KL with each size variable of the ratio estimator
-(``logra_core.kl_predictor.sampled_mean``: tokens, the default; advantage, rows weighted by |A|).
-The per-token KL is the same for both, so the comparison is of the sampling error alone.
+(``logra_core.kl_predictor.sampled_mean``: tokens, the default; advantage, rows weighted by |A|;
+gini / entropy, rows weighted by their tokens' mean Gini impurity / entropy of p(θ): :func:`token_spread`).
+The per-token KL is the same for all, so the comparison is of the sampling error alone.
 
 ``policy``: a run directory (its newest checkpoint) or a checkpoint directory whose
 ``model.safetensors`` replaces the starting weights — a trained policy has more groups with mixed
@@ -51,7 +53,23 @@ class ProbeWeightingArgs:
 
 COLUMNS = ["batch", "step", "trained_rows", "trained_tokens", "scale", "exact", "probe_seqs", "draw", "estimator",
            "estimate", "stderr", "rel_err", "within_25", "within_2se"]
-ESTIMATORS = ("tokens", "advantage")
+ESTIMATORS = ("tokens", "advantage", "gini", "entropy")
+
+
+def token_spread(h: torch.Tensor, W: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token Gini impurity 1 − Σ_v p_v² and entropy of p = softmax(h Wᵀ) [T], ``chunk`` tokens at a time.
+
+    Why a size for the KL probe: a step moves the logits by δz and KL(p ‖ p') ≈ ½ Var_p(δz); for δz with
+    independent entries of variance σ², E Var_p(δz) = σ² (1 − Σ p²). A token the policy is sure of
+    (p ≈ one-hot) contributes ≈ 0 whatever the step; both are known for every row from the update's own
+    forward."""
+    gini, ent = torch.empty(h.shape[0], dtype=torch.float64), torch.empty(h.shape[0], dtype=torch.float64)
+    for i in range(0, h.shape[0], chunk):
+        logp = torch.log_softmax((h[i : i + chunk].to(W.dtype) @ W.t()).double(), dim=-1)
+        p = logp.exp()
+        gini[i : i + chunk] = 1 - p.square().sum(-1)
+        ent[i : i + chunk] = -(p * logp).sum(-1)
+    return gini, ent
 
 
 def _checkpoint(policy: str) -> Path:
@@ -123,6 +141,10 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
                 exact = float(terms.double().mean())
                 a = adv[rows].abs().double()
                 a_mean = float((a * lengths).sum() / lengths.sum())
+                spread = dict(zip(("gini", "entropy"), token_spread(torch.cat(h_old), model.get_output_embeddings().weight.detach())))
+                per_row = {k: torch.zeros(len(rows), dtype=torch.float64).index_add_(0, row_of, v) / lengths.double()
+                           for k, v in spread.items()}  # the row's token mean
+                sizes_of = {"advantage": (a, a_mean), **{k: (per_row[k], float(v.mean())) for k, v in spread.items()}}
                 b = len(batches)
                 batches.append({"batch": b, "step": tr.step, "trained_rows": len(rows),
                                 "trained_tokens": int(lengths.sum()), "scale": scale, "exact": exact})
@@ -137,7 +159,8 @@ def run(args: dict, overrides: list[str]) -> tuple[list[dict], dict]:
                         keep = torch.isin(row_of, local)
                         r = torch.searchsorted(local, row_of[keep])
                         for est in ESTIMATORS:
-                            extra = (a[local], a_mean) if est == "advantage" else (None, 1.0)
+                            w, w_mean = sizes_of.get(est, (None, 1.0))
+                            extra = (w[local], w_mean) if w is not None else (None, 1.0)
                             m, se = sampled_mean(terms[keep], r, len(rows), *extra)
                             err = abs(m - exact) / exact
                             out.append({**batches[-1], "probe_seqs": k, "draw": d, "estimator": est, "estimate": m,
