@@ -27,6 +27,7 @@ class StepControlConfig:
     target_kl: float = 1e-2  # κ: the mean per-token KL(π_old‖π_new) on the probe tokens a step may reach (results/step_control)
     probe_seqs: int = 16  # at most this many sequences of the update's batch form the probe batch (their response tokens)
     probe_fraction: float = 0.25  # probe round(fraction × batch sequences) of them (≥ 1, ≤ probe_seqs), drawn across prompt groups; SmolLM2 probe study: 4-16 of 64 sequences read the batch's KL within 4-15 % (docs/speed.md)
+    probe_min: int = 0  # but at least this many sequences (≤ the batch, ≤ probe_seqs): a floor for batches with few trained rows, where a quarter is a probe of 2-6 and most misses of κ are (docs/speed.md); 0 = none, the default until measured
     probe_weighting: str = "tokens"  # the ratio estimator's size per probe row: tokens (the probe's token mean) | advantage (tokens × |advantage|; on a trained SmolLM2 policy 1.6-1.7x the sampling error of tokens: an option to study, docs/speed.md)
     chunk: int = 64  # tokens per chunk of the LM-head / vocabulary sums (CPU path; 64: extra memory below a forward's)
     measure_realized: bool = False  # also compute the exact KL of the applied step on every trained response token (kl/realized; two more forwards of the batch)
@@ -39,6 +40,8 @@ class StepControlConfig:
             raise ValueError(f"step_control.target_kl must be > 0, got {self.target_kl}")
         if self.probe_seqs < 1 or self.chunk < 1:
             raise ValueError("step_control.probe_seqs and step_control.chunk must be >= 1")
+        if self.probe_min < 0:
+            raise ValueError(f"step_control.probe_min must be >= 0, got {self.probe_min}")
         if not 0 < self.probe_fraction <= 1:
             raise ValueError(f"step_control.probe_fraction must be in (0, 1], got {self.probe_fraction}")
         if self.predictor not in PREDICTORS:
@@ -51,14 +54,14 @@ class StepControlConfig:
             raise ValueError(f"step_control.min_trial_scale must be in (0, 1], got {self.min_trial_scale}")
 
     def probe_rows(self, batch_seqs: int) -> int:
-        """Sequences to probe in a batch of ``batch_seqs``: round(probe_fraction · batch_seqs), at least 1,
-        at most ``probe_seqs`` and the batch.
+        """Sequences to probe in a batch of ``batch_seqs``: round(probe_fraction · batch_seqs), at least 1
+        and ``probe_min``, at most ``probe_seqs`` and the batch.
 
         Cost: the prediction takes ≈ 3.35 forwards of its probe (results/kl_predictor), the update's
         forward + backward ≈ 3 forwards of the whole batch, so the prediction's share of the training
         pass is ≈ 1.1 · n / batch_seqs; with rollout and optimizer around it, a fraction of 0.06 keeps it
         near 5 % of the step (not the default: see docs/speed.md). The probe's sampling error is logged as ``kl/predicted_stderr``."""
-        return max(1, min(self.probe_seqs, batch_seqs, round(self.probe_fraction * batch_seqs)))
+        return max(1, min(self.probe_seqs, batch_seqs, max(self.probe_min, round(self.probe_fraction * batch_seqs))))
 
 
 def step_scale(predicted_kl: float, target_kl: float) -> float:

@@ -54,6 +54,10 @@ def test_probe_rows_scale_with_the_batch():
     assert [StepControlConfig().probe_rows(b) for b in (4, 16, 64, 256)] == [1, 4, 16, 16]  # default: a quarter, ≤ 16
     assert StepControlConfig(probe_fraction=1.0, probe_seqs=16).probe_rows(16) == 16  # the whole batch: the exact path
     assert StepControlConfig(probe_fraction=1.0, probe_seqs=64).probe_rows(16) == 16
+    floor = StepControlConfig(probe_min=12)  # a quarter, but at least 12 rows (or the whole batch), at most 16
+    assert [floor.probe_rows(b) for b in (4, 8, 16, 24, 48, 64, 256)] == [4, 8, 12, 12, 12, 16, 16]
+    with pytest.raises(ValueError, match="probe_min"):
+        StepControlConfig(probe_min=-1)
     with pytest.raises(ValueError, match="probe_fraction"):
         StepControlConfig(probe_fraction=0.0)
 
