@@ -155,7 +155,7 @@ def run_steps(tmp_path, method, engine, steps, extra=()):
 @pytest.mark.parametrize("engine,dtype,master", [
     ("hf", "float32", "fp32"), ("hf_process", "float32", "fp32"),
     *[("hf", "bfloat16", master) for master in ("fp32", "kahan", "stochastic", "none")],
-    *[("hf_process", "bfloat16", master) for master in ("fp32", "kahan", "stochastic")]])
+    *[("hf_process", "bfloat16", master) for master in ("fp32", "kahan", "stochastic", "none")]])
 @pytest.mark.integration
 def test_engine_equals_trainer_after_twenty_logra_steps(tmp_path, engine, dtype, master):
     records, state, trainer_state = run_steps(tmp_path, "logra", engine, 20, [f"model.dtype={dtype}", f"logra.master={master}"])
