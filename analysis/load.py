@@ -28,7 +28,8 @@ of that task (``arith digits=3``) and, when the root holds several models, the m
 the method plus the keys of its own config section and of the shared sections (model settings,
 rollout, train, eval, step_control) that differ between its runs on some task (``logra lr=4e-05``,
 ``logra target_kl=0.01``), named by the same keys on every task. Seeds, paths, devices, logging
-and checkpointing never make a variant. ``family`` is the variant without its learning-rate keys
+and checkpointing never make a variant, nor do step control's settings in a run that never ran it.
+``family`` is the variant without its learning-rate keys
 (:func:`is_rate_key`: ``logra`` and ``logra step_control.enabled=False`` in a learning-rate sweep):
 the runs a learning-rate sweep compares along its rates.
 """
@@ -197,6 +198,20 @@ def _short(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _without_idle_step_control(configs: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+    """``configs`` with the step_control keys (all but ``enabled``) blanked for runs that never ran step
+    control (no ``kl/predicted`` logged: galore, lora, dense, logra with it off): there they change
+    nothing the run computes, as in the run key (experiments.config), so a galore run with
+    ``measure_realized: true`` and one without are one variant."""
+    logged = runs.groupby("run")["kl/predicted"].apply(lambda v: v.notna().any()) if "kl/predicted" in runs else None
+    idle = [r for r in configs.index if logged is None or not logged.get(r, False)]
+    keys = [k for k in configs.columns if k.startswith("step_control.") and k != "step_control.enabled"]
+    if idle and keys:
+        configs = configs.astype({k: object for k in keys})  # a bool column takes no NaN
+        configs.loc[idle, keys] = float("nan")  # not None: a YAML null is a value (_differing)
+    return configs
+
+
 def _defines_experiment(key: str) -> bool:
     last = key.rsplit(".", 1)[-1]
     return key not in IGNORED_KEYS and not key.startswith(IGNORED_SECTIONS) and "seed" not in last
@@ -205,7 +220,7 @@ def _defines_experiment(key: str) -> bool:
 def label_runs(runs: pd.DataFrame) -> pd.DataFrame:
     """Add ``task_label``, ``variant`` and ``family`` (see the module docstring)."""
     runs = runs.assign(**{c: runs[c].fillna("?") if c in runs else "?" for c in ("method", "task.name")})
-    configs = per_run(runs)
+    configs = _without_idle_step_control(per_run(runs), runs)
     config_keys = [c for c in configs.columns
                    if "/" not in c and c not in ("run", "run_dir", "git_sha", "done", "step") and _defines_experiment(c)]
     task_label, variant, family = {}, {}, {}

@@ -161,6 +161,21 @@ def test_loader_finds_every_run_and_labels_experiments(root, runs):
     assert Path(r["run_dir"]).is_dir() and not r["done"]
 
 
+def test_step_control_settings_name_a_variant_only_where_step_control_ran(tmp_path):
+    """A galore run saved with step_control.measure_realized true and one with false computed the same
+    thing (no step control ran: no kl/predicted), so they are one variant — as their run keys are; for
+    logra, which ran it, the same difference names two variants."""
+    for seed, realized in ((0, True), (1, False)):
+        for method in ("lora", "logra"):
+            run = write_run(tmp_path, f"{method}-arith-s{seed}", method, "arith", seed)
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            cfg["step_control"]["measure_realized"] = realized
+            (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    variants = per_run(load_runs(tmp_path)).groupby("method")["variant"].agg(set)
+    assert variants["lora"] == {"lora"}
+    assert variants["logra"] == {"logra measure_realized=True", "logra measure_realized=False"}
+
+
 def test_accuracy_table_matches_fixture(runs):
     t = accuracy.table(runs)
     for task in ("arith", "gsm8k"):
