@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from logra_core.kl_predictor import (LowRank, _acc_dtype, _capped, _decoder, _weight_owners, head_delta,
-                                     head_tangent_factors, hidden_states)
+                                     head_tangent_factors)
+from logra_core.shared_context import context_plan, shared_context_forward
 
 
 def _add_to_output(extra):
@@ -45,8 +46,13 @@ def _add_to_output(extra):
 
 def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                         position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
-                        dense: Optional[dict[str, torch.Tensor]] = None, at: float = 1.0, positions=None) -> torch.Tensor:
-    """Last hidden states at θ + at·Δ (T × d at ``positions``), no grad, no weight of Δ's size formed."""
+                        dense: Optional[dict[str, torch.Tensor]] = None, at: float = 1.0, positions=None,
+                        share_context: bool = True) -> torch.Tensor:
+    """Last hidden states at θ + at·Δ (T × d at ``positions``), no grad, no weight of Δ's size formed.
+
+    ``share_context``: compute the context the rows share (the chat header, a prompt group's prompt)
+    once, by :func:`logra_core.shared_context.shared_context_forward` (same states up to floating-point
+    reordering; the plain forward where :func:`~logra_core.shared_context.context_plan` does not apply)."""
     lowrank, dense = lowrank or {}, dense or {}
     decoder = _decoder(model)
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -78,6 +84,10 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
                         _add_to_output(lambda ids, out, d=delta: at * d[ids])).remove)
             else:
                 params[names_in_decoder[id(p)]] = p.detach() + at * delta.to(p.dtype)
+        plan = context_plan(input_ids, attention_mask, position_ids, positions, getattr(model, "config", None)) \
+            if share_context else None
+        if plan is not None:
+            return shared_context_forward(decoder, input_ids, attention_mask, position_ids, positions, plan, params)
         out = torch.func.functional_call(
             decoder, params, args=(),
             kwargs=dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -113,13 +123,15 @@ def shifted_kl(h_old: torch.Tensor, h_new: torch.Tensor, W: torch.Tensor, pieces
 def trial_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                    position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
                    dense: Optional[dict[str, torch.Tensor]] = None, positions=None, chunk: int = 256,
-                   temperature: float = 1.0, at: float = 1.0, h_old: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   temperature: float = 1.0, at: float = 1.0, h_old: Optional[torch.Tensor] = None,
+                   share_context: bool = True) -> torch.Tensor:
     """Per-token KL(p_t(θ) ‖ p_t(θ + at·Δ)) / at² [T] at ``positions`` (row-major), at temperature T
     (logits z/T: h and the head's pieces enter divided by T) — the secant reading of KL̂(1).
 
     ``h_old``: the last hidden states at θ at ``positions`` (T × d, before 1/T) when the caller kept
     them from a forward it ran anyway (:class:`experiments.rl.probe_capture.ProbeCapture`); else one
-    more forward computes them."""
+    more forward computes them, by the same path as the trial's (``share_context``: see
+    :func:`trial_hidden_states`), so that both carry the same rounding."""
     if not at > 0:
         raise ValueError(f"trial_kl_terms: the trial scale must be > 0, got {at}")
     head = model.get_output_embeddings()
@@ -129,8 +141,10 @@ def trial_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: Op
     if temperature != 1.0 and softcap:
         raise ValueError("trial_kl_terms: a sampling temperature != 1 with final-logit softcapping is not supported")
     if h_old is None:
-        h_old = hidden_states(model, input_ids, attention_mask, position_ids, positions)
-    h_new = trial_hidden_states(model, input_ids, attention_mask, position_ids, lowrank, dense, at, positions)
+        h_old = trial_hidden_states(model, input_ids, attention_mask, position_ids, positions=positions,
+                                    share_context=share_context)
+    h_new = trial_hidden_states(model, input_ids, attention_mask, position_ids, lowrank, dense, at, positions,
+                                share_context)
     if temperature != 1.0:
         h_old, h_new = h_old / temperature, h_new / temperature
     kl = shifted_kl(h_old, h_new, head.weight.detach(), head_delta(model, lowrank, dense), at, chunk, softcap)

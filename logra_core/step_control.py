@@ -32,6 +32,7 @@ class StepControlConfig:
     chunk: int = 64  # tokens per chunk of the LM-head / vocabulary sums (CPU path; 64: extra memory below a forward's)
     measure_realized: bool = False  # also compute the exact KL of the applied step on every trained response token (kl/realized; two more forwards of the batch)
     predictor: str = "secant"  # exact (second-order term by a forward-mode tangent, ~3.35 forwards of the probe) | secant (the KL measured at the last step's scale, 2 plain forwards; logra_core/kl_secant.py)
+    share_context: bool = True  # secant: the probe's forwards compute the context its rows share (chat header, a group's prompt) once, by a KV cache (same states up to fp reordering; logra_core/shared_context.py)
     min_trial_scale: float = 1e-3  # the secant's trial scale never drops below this (a skipped or tiny step)
     max_trials: int = 3  # secant: measure again at the chosen scale (up to this many trials) while it is > 2x off the trial
 

@@ -303,12 +303,14 @@ class DataParallel:
         return SyncSender(model)
 
     def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None,
-                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None, weights=None):
+                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None, weights=None,
+                   share_context: bool = True):
         """This rank's predicted KL of ``update`` on its probe ``inputs`` (0.0 without a probe); a
         collective wherever the weights are sharded, so every rank calls it. With ``population`` (the
         sequences the probe was drawn from): (prediction, its standard error as that batch's mean,
         ``logra_core.kl_predictor.predict_kl_sampled``; ``predictor``, ``at``: its exact or secant path;
-        ``weights``: (the probe rows' weights, the batch's token mean of them) for its ratio estimator)."""
+        ``weights``: (the probe rows' weights, the batch's token mean of them) for its ratio estimator;
+        ``share_context``: the secant's forwards compute the probe's shared context once)."""
         from logra_core.kl_predictor import predict_kl, predict_kl_sampled
 
         if not inputs:
@@ -317,7 +319,8 @@ class DataParallel:
             row_weights, weight_mean = weights or (None, 1.0)
             return predict_kl_sampled(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk,
                                       population=population, temperature=temperature, predictor=predictor, at=at,
-                                      h_old=h_old, row_weights=row_weights, weight_mean=weight_mean)
+                                      h_old=h_old, row_weights=row_weights, weight_mean=weight_mean,
+                                      share_context=share_context)
         return predict_kl(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk, temperature=temperature)
 
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -457,7 +460,8 @@ class FSDP2(DataParallel):
                 m.set_reshard_after_forward(True, recurse=False)
 
     def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None,
-                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None, weights=None):
+                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None, weights=None,
+                   share_context: bool = True):
         """The KL predictor on the gathered weights (a collective: every rank calls it, with or
         without a probe). A low-rank ΔW = D A of a row-sharded weight enters with its whole D, the
         ranks' rows all-gathered (m × r: small), and the same A on every rank (rebuilt from the
@@ -465,7 +469,8 @@ class FSDP2(DataParallel):
         from logra_core.kl_predictor import predict_kl, predict_kl_sampled
 
         if not self.distributed:
-            return super().predict_kl(model, inputs, update, chunk, population, temperature, predictor, at, h_old, weights)
+            return super().predict_kl(model, inputs, update, chunk, population, temperature, predictor, at, h_old, weights,
+                                      share_context)
         lowrank = {}
         for name, (D, A) in update.lowrank.items():
             weight = model.get_submodule(name).weight
@@ -477,7 +482,7 @@ class FSDP2(DataParallel):
                 return predict_kl_sampled(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
                                           population=population, temperature=temperature, predictor=predictor,
                                           at=at, h_old=h_old, row_weights=row_weights,
-                                          weight_mean=weight_mean) if inputs else (0.0, 0.0)
+                                          weight_mean=weight_mean, share_context=share_context) if inputs else (0.0, 0.0)
             return predict_kl(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
                               temperature=temperature) if inputs else 0.0
 

@@ -381,7 +381,7 @@ class GRPOTrainer:
             while True:  # secant: measure again at the chosen scale while it is more than 2x off the trial's
                 predicted, stderr = self.dist.predict_kl(self.model, inputs, update, sc.chunk, population=len(rows),
                                                          temperature=T, predictor=sc.predictor, at=at, h_old=h_old,
-                                                         weights=sizes)
+                                                         weights=sizes, share_context=sc.share_context)
                 predicted = self.dist.weighted_mean(predicted, weight)  # the mean over every rank's probe tokens
                 stderr = self.dist.weighted_mean(stderr, weight)  # the sampling error of reading it as the batch's KL
                 scale, trials = step_scale(predicted, sc.target_kl), trials + 1
