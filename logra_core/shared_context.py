@@ -11,6 +11,11 @@ pieces with a KV cache:
 2. each distinct remainder of the context once (batch = distinct contexts), after that prefix;
 3. every row's columns from the first predicting one on, after its own context's cache.
 
+Where every row has its own context (a probe drawn one row per prompt group), 2 and 3 are one call:
+the remainders run with their rows' columns, after the prefix — a third call of a batch that saves
+nothing would cost more than it saves (SmolLM2, 4 rows: 1.08× the plain forward as three calls,
+0.93–0.98× as two; 16 rows in 8 groups of 2: 0.72–0.77× as three; docs/speed.md).
+
 Attention is a masked sum over keys placed by their position ids, so moving a row's left padding from
 the front of the row to between the shared prefix and its remainder changes no attention score:
 the states equal the plain forward's up to floating-point reordering (fp32: ~1e-6 relative;
@@ -133,12 +138,18 @@ def shared_context_forward(decoder: nn.Module, input_ids: torch.Tensor, attentio
                               attention_mask=torch.ones(1, L, dtype=attention_mask.dtype, device=device), use_cache=True))
         if U > 1:
             cache.batch_repeat_interleave(U)
-    if M:
-        cache = cache_of(call(input_ids=plan.rest, attention_mask=plan.rest_mask, position_ids=plan.rest_positions,
-                              use_cache=True, **{key: cache}))
-    cache.batch_select_indices(plan.context_of_row)
     s = plan.split
-    mask = torch.cat([plan.rest_mask[plan.context_of_row], attention_mask[:, s:]], dim=1)
-    out = call(input_ids=input_ids[:, s:], attention_mask=mask, position_ids=position_ids[:, s:], use_cache=True,
-               **{key: cache}).last_hidden_state
-    return out[positions[:, s:]]
+    ids, mask, pos, read = input_ids[:, s:], attention_mask[:, s:], position_ids[:, s:], positions[:, s:]
+    if M and U == input_ids.shape[0]:  # no two rows share more than the prefix: their remainders run with their columns
+        order = plan.context_of_row
+        ids, pos = torch.cat([plan.rest[order], ids], 1), torch.cat([plan.rest_positions[order], pos], 1)
+        mask = torch.cat([plan.rest_mask[order], mask], 1)
+        read = torch.cat([torch.zeros(ids.shape[0], M, dtype=torch.bool, device=device), read], 1)
+    else:
+        if M:
+            cache = cache_of(call(input_ids=plan.rest, attention_mask=plan.rest_mask, position_ids=plan.rest_positions,
+                                  use_cache=True, **{key: cache}))
+        cache.batch_select_indices(plan.context_of_row)
+        mask = torch.cat([plan.rest_mask[plan.context_of_row], mask], dim=1)
+    out = call(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{key: cache}).last_hidden_state
+    return out[read]

@@ -74,11 +74,13 @@ def test_the_plan_declines_what_it_cannot_share():
     assert context_plan(*distinct) is None
 
 
+@pytest.mark.parametrize("shape", ["header, groups", "header, distinct prompts"])
 @pytest.mark.parametrize("kind", ["lowrank_qvd", "mixed", "dense", "untied_head"])
-def test_trial_states_through_the_shared_context_equal_the_shifted_model(kind):
-    """The trial's hooks and trial parameters act in all three cached forwards."""
+def test_trial_states_through_the_shared_context_equal_the_shifted_model(kind, shape):
+    """The trial's hooks and trial parameters act in every cached forward (three with groups; two where
+    no rows share more than the header, their remainders run with their columns)."""
     model = tiny_llama(tied=kind != "untied_head")
-    ids, mask, pos, positions = grpo_batch(*SHAPES["header, groups"], completion=5, seed=1)
+    ids, mask, pos, positions = grpo_batch(*SHAPES[shape], completion=5, seed=1)
     lowrank, dense = make_update(model, kind)
     got = trial_hidden_states(model, ids, mask, pos, lowrank, dense, 0.7, positions)
     plain = trial_hidden_states(model, ids, mask, pos, lowrank, dense, 0.7, positions, share_context=False)
