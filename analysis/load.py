@@ -212,7 +212,7 @@ def _without_idle_step_control(configs: pd.DataFrame, runs: pd.DataFrame) -> pd.
     return configs
 
 
-def _defines_experiment(key: str) -> bool:
+def defines_experiment(key: str) -> bool:
     last = key.rsplit(".", 1)[-1]
     return key not in IGNORED_KEYS and not key.startswith(IGNORED_SECTIONS) and "seed" not in last
 
@@ -222,7 +222,7 @@ def label_runs(runs: pd.DataFrame) -> pd.DataFrame:
     runs = runs.assign(**{c: runs[c].fillna("?") if c in runs else "?" for c in ("method", "task.name")})
     configs = _without_idle_step_control(per_run(runs), runs)
     config_keys = [c for c in configs.columns
-                   if "/" not in c and c not in ("run", "run_dir", "git_sha", "done", "step") and _defines_experiment(c)]
+                   if "/" not in c and c not in ("run", "run_dir", "git_sha", "done", "step") and defines_experiment(c)]
     task_label, variant, family = {}, {}, {}
     several_models = "model.name" in configs and configs["model.name"].dropna().nunique() > 1
     for task, group in configs.groupby("task.name"):

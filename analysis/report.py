@@ -16,7 +16,7 @@ from typing import Callable
 
 import pandas as pd
 
-from analysis import accuracy, claims, intervals, kl, learning, lr_sweep, memory, steptime, sync, tradeoff
+from analysis import accuracy, claims, control, intervals, kl, learning, lr_sweep, memory, steptime, sync, tradeoff
 from analysis.load import load_memory_csv, load_runs
 from analysis.render import Absent, Table, save_figure
 
@@ -37,6 +37,7 @@ TABLES: dict[str, Callable[[Results], Table]] = {
     "lr_sweep": lambda r: lr_sweep.table(r.runs),
     "sync": lambda r: sync.table(r.runs),
     "kl": lambda r: kl.table(r.runs),
+    "control": lambda r: control.table(r.runs),
     "claims": lambda r: claims.table(r.root, r.runs),
 }
 FIGURES: dict[str, Callable[[Results], object]] = {

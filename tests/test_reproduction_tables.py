@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from analysis import bootstrap, claims, intervals, lr_sweep, outcomes, tradeoff
+from analysis import bootstrap, claims, control, intervals, lr_sweep, outcomes, tradeoff
 from analysis.__main__ import main
 from analysis.load import load_runs, per_run
 
@@ -358,6 +358,37 @@ def test_identical_outcomes_give_a_zero_difference_interval(tmp_path):
     data = intervals.table(runs).data
     r = data[data["variant"] == "logra"].iloc[0]  # the only task and logra variant: no keys in their names
     assert r.pairing == "paired" and (r.delta, r.delta_low, r.delta_high) == (0.0, 0.0, 0.0)
+
+
+def test_control_table_pairs_a_variant_with_its_uncontrolled_twin(tmp_path):
+    """logra with control (390/395/400 of 500) against the same config with step_control.enabled=false
+    (370/375/380): Δ = +4 points, paired; the sketched-embedding variant (another config) and dense have
+    no twin, so one row only."""
+    final = {"dense": (380, 385, 390), "logra": (390, 395, 400), "nokl": (370, 375, 380), "emb": (300, 305, 310)}
+    for kind, counts in final.items():
+        for seed, k in zip(SEEDS, counts):
+            name = f"arith-{kind}-s{seed}"
+            run = write_run(tmp_path, name, "dense" if kind == "dense" else "logra", seed, {0: 0.05, 30: k / PROBLEMS},
+                            1e-5 if kind == "dense" else 2e-5, control=False if kind == "nokl" else None,
+                            embeddings=kind == "emb")
+            ranking = list(range(PROBLEMS))
+            random.Random(f"arith/{seed}").shuffle(ranking)
+            write_outcomes(run, 30, set(ranking[:k]), order=name)
+    runs = load_runs(tmp_path)
+    table = control.table(runs)
+    assert len(table.data) == 1
+    r = table.data.iloc[0]
+    assert (r.variant, r.without) == (variant_of(runs, "arith", "logra"), variant_of(runs, "arith", "nokl"))
+    assert r.pairing == "paired" and r.seeds == 3
+    assert r.delta == pytest.approx(0.04) and r.delta_low < 0.04 < r.delta_high
+    assert r.with_mean == pytest.approx(0.79) and r.without_mean == pytest.approx(0.75)
+    assert "| +4.0 |" in table.markdown()
+
+
+def test_control_table_is_absent_without_an_uncontrolled_run(tmp_path):
+    write_run(tmp_path, "arith-logra-s0", "logra", 0, {0: 0.05, 30: 0.7}, 2e-5)
+    with pytest.raises(control.Absent, match="step_control.enabled=false"):
+        control.table(load_runs(tmp_path))
 
 
 def test_paired_falls_back_to_unpaired_for_a_cell_missing_outcomes(tmp_path):
