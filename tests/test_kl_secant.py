@@ -78,3 +78,23 @@ def test_sampled_prediction_dispatches_by_predictor_name():
     assert secant == pytest.approx(exact, rel=1e-2) and secant != exact
     with pytest.raises(ValueError, match="unknown KL predictor 'jvp'"):
         predictor_terms("jvp")
+
+
+def test_shifted_kl_keeps_a_small_dense_head_step_of_a_bf16_head():
+    """A dense ΔW far below bf16's spacing of W still moves the head: with W in bf16 it enters as its own
+    product (W + at·ΔW in bf16 would round it away), with W in fp32 it is merged into W; both agree."""
+    from logra_core.kl_secant import shifted_kl
+
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(64, 16, generator=gen)
+    dW = 1e-4 * torch.randn(64, 16, generator=gen)  # ~1e-4 of W: below bf16's relative spacing of 2^-8
+    h = torch.randn(10, 16, generator=gen)
+    wide = shifted_kl(h, h, W, [dW], at=0.5, chunk=4)
+    narrow = shifted_kl(h, h, W.bfloat16(), [dW], at=0.5, chunk=4)
+    separate = shifted_kl(h.double(), h.double(), W.double(), [(dW.double(), torch.eye(16, dtype=torch.float64))],
+                          at=0.5, chunk=4)  # the same ΔW as low-rank factors: never merged
+    assert wide.mean() > 1e-12
+    # fp32's rounding of W + at·ΔW: |z|·2^-24 on a δ of 1e-4·|z|, ~1e-2 of this tiny KL (1e-8 per token; a
+    # trial's forward in fp32 carries more than that in h)
+    torch.testing.assert_close(wide.double(), separate, rtol=2e-2, atol=0)
+    torch.testing.assert_close(narrow.double(), separate, rtol=0.1, atol=0)
