@@ -322,10 +322,11 @@ def test_profiles_resolve(profile, tmp_path):
     if profile == "cpu":
         def cell(r):
             variant = ("nokl" if r.cfg.step_control.enabled is False else
-                       "emb" if r.cfg.method == "logra" and r.cfg.logra.embeddings else "")
+                       "emb" if r.cfg.method == "logra" and r.cfg.logra.embeddings else
+                       "floor" if r.cfg.step_control.probe_min == 12 else "")
             return (r.cfg.task.digits, r.cfg.method, variant, r.cfg[r.cfg.method].lr)
         arith = {(2, "dense", "", 1e-5), (2, "logra", "", 2e-5), (2, "logra", "nokl", 2e-5), (2, "logra", "emb", 4e-5),
-                 (2, "galore", "", 8e-5), (2, "lora", "", 4e-4)}  # results/lr's best rates (cpu.yaml)
+                 (2, "logra", "floor", 2e-5), (2, "galore", "", 8e-5), (2, "lora", "", 4e-4)}  # results/lr's best rates (cpu.yaml)
         expected = {(c, seed) for c in arith | {(3, "dense", "", 1e-5), (3, "logra", "", 2e-5)} for seed in (0, 1, 2)}
         assert sorted((cell(r), r.cfg.seed) for r in runs) == sorted(expected)  # every cell x 3 seeds, once
         assert all(r.cfg.task.name == "arith" and r.cfg.train.steps == 30 and r.cfg.train.prompts_per_step == 8
