@@ -91,10 +91,10 @@ class RunConfig:
 
 # The version of the run-key scheme and of the defaults it assumes: bump it when a changed default
 # changes what existing runs compute (their keys then change, and a sweep redoes them).
-SCHEMA_VERSION = 3  # 3: step_control.predictor's default became secant; step control's keys count only where it is on
+SCHEMA_VERSION = 4  # 3: step_control.predictor's default became secant; step control's keys count only where it is on; 4: step_control.probe_min's default became 12
 # Keys whose default changed after runs were saved without them: a saved config that lacks the key ran
 # with this value (its run key, and a resume's check for changed keys, see what it computed).
-FORMER_DEFAULTS = {"step_control.predictor": "exact"}
+FORMER_DEFAULTS = {"step_control.predictor": "exact", "step_control.probe_min": 0}
 # Keys that do not change what a run computes: where it lives, whether it resumes, threads, logging
 # (log.*), where the converted model is cached and where the data files sit.
 NOT_IDENTITY = ("out_dir", "resume", "threads", "log", "model.cache_dir", "task.data_dir")

@@ -322,11 +322,10 @@ def test_profiles_resolve(profile, tmp_path):
     if profile == "cpu":
         def cell(r):
             variant = ("nokl" if r.cfg.step_control.enabled is False else
-                       "emb" if r.cfg.method == "logra" and r.cfg.logra.embeddings else
-                       "floor" if r.cfg.step_control.probe_min == 12 else "")
+                       "emb" if r.cfg.method == "logra" and r.cfg.logra.embeddings else "")
             return (r.cfg.task.digits, r.cfg.method, variant, r.cfg[r.cfg.method].lr)
         arith = {(2, "dense", "", 1e-5), (2, "logra", "", 2e-5), (2, "logra", "nokl", 2e-5), (2, "logra", "emb", 4e-5),
-                 (2, "logra", "floor", 2e-5), (2, "galore", "", 8e-5), (2, "lora", "", 4e-4)}  # results/lr's best rates (cpu.yaml)
+                 (2, "galore", "", 8e-5), (2, "lora", "", 4e-4)}  # results/lr's best rates (cpu.yaml)
         expected = {(c, seed) for c in arith | {(3, "dense", "", 1e-5), (3, "logra", "", 2e-5)} for seed in (0, 1, 2)}
         assert sorted((cell(r), r.cfg.seed) for r in runs) == sorted(expected)  # every cell x 3 seeds, once
         assert all(r.cfg.task.name == "arith" and r.cfg.train.steps == 30 and r.cfg.train.prompts_per_step == 8
@@ -429,6 +428,13 @@ def test_a_config_saved_before_a_default_changed_keeps_what_it_ran_with():
     assert run_key(old_logra) != run_key(build_config(["method=logra"]))
     assert "step_control.predictor" in config_diff(old_logra, build_config(["method=logra"]))
     assert run_key(saved("method=dense")) == run_key(build_config(["method=dense"]))
+    # step_control.probe_min became 12: a saved logra config without it ran with no floor
+    no_floor = OmegaConf.to_container(build_config(["method=logra", "step_control.predictor=exact"]), resolve=True)
+    del no_floor["step_control"]["probe_min"]
+    assert run_key(no_floor) == run_key(build_config(["method=logra", "step_control.predictor=exact",
+                                                      "step_control.probe_min=0"]))
+    assert run_key(no_floor) != run_key(build_config(["method=logra", "step_control.predictor=exact"]))
+    assert "step_control.probe_min" in config_diff(no_floor, build_config(["method=logra", "step_control.predictor=exact"]))
     # step control's settings do not change a run without it ...
     assert run_key(build_config(["method=dense", "step_control.measure_realized=true"])) == \
         run_key(build_config(["method=dense"]))

@@ -115,7 +115,8 @@ def test_advantage_weighted_probe_reads_the_batch_mean(tmp_path):
     from experiments.rl.trainer import probe_inputs
 
     base = [*TINY, f"out_dir={tmp_path}", "eval.every=0", "method=logra", "logra.rank=4", "step_control.predictor=exact"]
-    t = GRPOTrainer(build_config([*base, "step_control.probe_weighting=advantage", "step_control.probe_fraction=0.5"]))
+    t = GRPOTrainer(build_config([*base, "step_control.probe_weighting=advantage", "step_control.probe_fraction=0.5",
+                                  "step_control.probe_min=0"]))  # a partial probe: 4 of the 8 rows
     torch.manual_seed(3)
     rollouts = t.engine.generate(t._prompts(t.train_problems[:2]), n=4)
     rows = torch.arange(8)

@@ -49,9 +49,10 @@ def _params(trainer):
 def test_probe_rows_scale_with_the_batch():
     from logra_core.step_control import StepControlConfig
 
-    c = StepControlConfig(probe_fraction=0.06)  # at most 16
+    c = StepControlConfig(probe_fraction=0.06, probe_min=0)  # at most 16, no floor
     assert [c.probe_rows(b) for b in (1, 8, 16, 32, 64, 256, 1024)] == [1, 1, 1, 2, 4, 15, 16]
-    assert [StepControlConfig().probe_rows(b) for b in (4, 16, 64, 256)] == [1, 4, 16, 16]  # default: a quarter, ≤ 16
+    # default: a quarter, at least 12 (or the batch), at most 16
+    assert [StepControlConfig().probe_rows(b) for b in (4, 16, 40, 64, 256)] == [4, 12, 12, 16, 16]
     assert StepControlConfig(probe_fraction=1.0, probe_seqs=16).probe_rows(16) == 16  # the whole batch: the exact path
     assert StepControlConfig(probe_fraction=1.0, probe_seqs=64).probe_rows(16) == 16
     floor = StepControlConfig(probe_min=12)  # a quarter, but at least 12 rows (or the whole batch), at most 16
