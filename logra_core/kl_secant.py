@@ -110,18 +110,18 @@ def shifted_kl(h_old: torch.Tensor, h_new: torch.Tensor, W: torch.Tensor, pieces
     """
     acc = _acc_dtype(h_old, h_new, W)
     wide = W.dtype in (torch.float32, torch.float64)  # W + at·ΔW keeps a small ΔW only in a wide dtype
-    dense = [p for p in pieces if isinstance(p, torch.Tensor) and wide]
-    lowrank = [p for p in pieces if not any(p is d for d in dense)]
-    W_new = W
-    for d in dense:
-        W_new = W_new + at * d.to(W.dtype) if W_new is W else W_new.add_(d.to(W.dtype), alpha=at)
+    merged = [p for p in pieces if wide and isinstance(p, torch.Tensor)]
+    separate = [p for p in pieces if not (wide and isinstance(p, torch.Tensor))]
+    W_new = W.clone() if merged else W
+    for d in merged:
+        W_new.add_(d.to(W.dtype), alpha=at)
     out = torch.empty(h_old.shape[0], dtype=acc, device=h_old.device)
     for i in range(0, h_old.shape[0], chunk):
         z_old = _capped((h_old[i : i + chunk].to(W.dtype) @ W.t()).to(acc), softcap)
         hn = h_new[i : i + chunk]
         u = (hn.to(W.dtype) @ W_new.t()).to(acc)
-        if lowrank:
-            g, U = head_tangent_factors(hn, torch.zeros_like(hn), W, lowrank)
+        if separate:
+            g, U = head_tangent_factors(hn, torch.zeros_like(hn), W, separate)
             for gi, Ui in list(zip(g, U))[1:]:  # the first pair is ḣ Wᵀ = 0
                 u.add_((gi.to(Ui.dtype) @ Ui.t()).to(acc), alpha=at)
         delta = _capped(u, softcap) - z_old
