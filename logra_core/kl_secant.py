@@ -32,8 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from logra_core.kl_predictor import (LowRank, _acc_dtype, _capped, _decoder, _weight_owners, head_delta,
-                                     head_tangent_factors)
+from logra_core.kl_predictor import LowRank, _decoder, _weight_owners, head_delta, streamed_kl
 from logra_core.shared_context import context_plan, shared_context_forward
 
 
@@ -98,37 +97,11 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
 def shifted_kl(h_old: torch.Tensor, h_new: torch.Tensor, W: torch.Tensor, pieces: list, at: float = 1.0,
                chunk: int = 256, softcap: Optional[float] = None) -> torch.Tensor:
     """Per-token KL(p_old ‖ p_new) [T] for z_old = h_old Wᵀ and z_new = h_new (W + at·ΔW)ᵀ, where ΔW is
-    the sum of ``pieces`` (dense V × d tensors or low-rank (D, A)); ``chunk`` tokens at a time.
-
-    Computed as log1p(Σ_v p_old,v expm1(c_v)), c = δ − Σ_v p_old,v δ_v, δ = z_new − z_old
-    (:func:`logra_core.kl_predictor.exact_kl`'s form: a tiny step's KL keeps its relative precision).
-
-    With W in fp32/fp64, dense pieces are added to W once (W + at·ΔW, one V × d temporary: a method with a
-    dense head update already holds its V × d Δ and gradient), so z_new costs one vocabulary product, not
-    two; in bf16 (where W + at·ΔW would round a small ΔW away) and for low-rank pieces ((h Aᵀ)·at Dᵀ, r
-    columns) they enter as products of their own.
+    the sum of ``pieces`` (dense V × d tensors or low-rank (D, A)): one pass over the head's vocabulary
+    (:func:`logra_core.kl_predictor.streamed_kl`; a tiny step's KL keeps its relative precision, W + at·ΔW
+    is formed one block of the head at a time where W is fp32/fp64, a bf16 ΔW enters as its own product).
     """
-    acc = _acc_dtype(h_old, h_new, W)
-    wide = W.dtype in (torch.float32, torch.float64)  # W + at·ΔW keeps a small ΔW only in a wide dtype
-    merged = [p for p in pieces if wide and isinstance(p, torch.Tensor)]
-    separate = [p for p in pieces if not (wide and isinstance(p, torch.Tensor))]
-    W_new = W.clone() if merged else W
-    for d in merged:
-        W_new.add_(d.to(W.dtype), alpha=at)
-    out = torch.empty(h_old.shape[0], dtype=acc, device=h_old.device)
-    for i in range(0, h_old.shape[0], chunk):
-        z_old = _capped((h_old[i : i + chunk].to(W.dtype) @ W.t()).to(acc), softcap)
-        hn = h_new[i : i + chunk]
-        u = (hn.to(W.dtype) @ W_new.t()).to(acc)
-        if separate:
-            g, U = head_tangent_factors(hn, torch.zeros_like(hn), W, separate)
-            for gi, Ui in list(zip(g, U))[1:]:  # the first pair is ḣ Wᵀ = 0
-                u.add_((gi.to(Ui.dtype) @ Ui.t()).to(acc), alpha=at)
-        delta = _capped(u, softcap) - z_old
-        p = torch.softmax(z_old, dim=-1)
-        delta -= (p * delta).sum(-1, keepdim=True)
-        out[i : i + chunk] = torch.log1p((p * torch.expm1(delta)).sum(-1))
-    return out
+    return streamed_kl(h_old, W, h_new, W, chunk, softcap, pieces, at)
 
 
 def trial_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

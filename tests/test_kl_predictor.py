@@ -206,6 +206,55 @@ def test_exact_kl_equals_log_softmax_difference():
     torch.testing.assert_close(exact_kl(h_old, W_old, h_new, W_new, chunk=4), expected)
 
 
+
+def _kl_reference(h_old, W_old, h_new, W_new, softcap=None):
+    cap = (lambda z: softcap * torch.tanh(z / softcap)) if softcap else (lambda z: z)
+    lp_old, lp_new = torch.log_softmax(cap(h_old @ W_old.t()), -1), torch.log_softmax(cap(h_new @ W_new.t()), -1)
+    return (lp_old.exp() * (lp_old - lp_new)).sum(-1)
+
+
+@pytest.mark.parametrize("block,chunk", [(7, 1), (32, 4), (100, 3), (1000, 64)])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_streamed_kl_over_vocabulary_blocks_equals_log_softmax_difference(block, chunk, softcap):
+    """Blocks that do not divide V, several token chunks, the largest logit in the last block (the running
+    maximum rescales the sums), Gemma-2's cap, dense and low-rank pieces of ΔW at a trial scale."""
+    from logra_core.kl_predictor import streamed_kl
+
+    gen = torch.Generator().manual_seed(3)
+    T, d, V, r, at = 13, 8, 100, 2, 0.3
+    W = torch.randn(V, d, generator=gen, dtype=torch.float64)
+    W[-5:] *= 4  # the tail of the vocabulary holds the largest logits
+    h_old = torch.randn(T, d, generator=gen, dtype=torch.float64)
+    h_new = h_old + 0.1 * torch.randn(T, d, generator=gen, dtype=torch.float64)
+    dW = 0.2 * torch.randn(V, d, generator=gen, dtype=torch.float64)
+    D, A = torch.randn(V, r, generator=gen, dtype=torch.float64), 0.1 * torch.randn(r, d, generator=gen, dtype=torch.float64)
+    expected = _kl_reference(h_old, W, h_new, W + at * (dW + D @ A), softcap)
+    got = streamed_kl(h_old, W, h_new, W, chunk, softcap, [dW, (D, A)], at, block=block)
+    torch.testing.assert_close(got, expected)
+    W_old = W + 0.05 * torch.randn(V, d, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(streamed_kl(h_old, W_old, h_new, W, chunk, softcap, block=block),
+                               _kl_reference(h_old, W_old, h_new, W, softcap))
+
+
+def test_streamed_kl_keeps_a_tiny_steps_relative_precision_in_fp32():
+    """A step that moves logits by ~4e-5: the fp32 pass (many blocks) reads its KL (~5e-10 per token) to 2 %
+    of the fp64 value (fp32's rounding of expm1(δ) − δ ≈ δ²/2; 1.1 % measured, 4.2 % for the token-chunked form
+    this replaced), where a difference of fp32 log-softmaxes is off by more than the KL itself."""
+    from logra_core.kl_predictor import streamed_kl
+
+    gen = torch.Generator().manual_seed(4)
+    W = torch.randn(3000, 16, generator=gen, dtype=torch.float64)
+    h = torch.randn(10, 16, generator=gen, dtype=torch.float64)
+    dW = 1e-5 * torch.randn(3000, 16, generator=gen, dtype=torch.float64)
+    expected = streamed_kl(h, W, h, W, 64, None, [dW], 1.0, block=3000)
+    assert 1e-11 < float(expected.mean()) < 1e-8
+    torch.testing.assert_close(_kl_reference(h, W, h, W + dW), expected, rtol=1e-4, atol=0)  # fp64: the same KL (the reference cancels to ~1e-15)
+    got = streamed_kl(h.float(), W.float(), h.float(), W.float(), 64, None, [(dW.float(), torch.eye(16))], 1.0, block=128)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=0)
+    naive = _kl_reference(h.float(), W.float(), h.float(), (W + dW).float()).double()
+    assert float(((naive - expected).abs() / expected).max()) > 1  # what the streamed form avoids
+
+
 # ---- the fused Triton kernel -----------------------------------------------------------------
 INTERPRETER_CHECK = textwrap.dedent("""
     import os
