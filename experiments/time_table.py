@@ -26,8 +26,8 @@ What is fixed so that every repeat times a comparable step: the prompts (the fir
 runs to ``rollout.max_new_tokens``: EOS is suppressed through ``generation_config.min_new_tokens``,
 since otherwise generation time follows the policy's answer length), the sampling seed (reset before
 each rollout), and the training batch (``experiments.memory.step_bench.fixed_rollouts``: the same
-prompts with seeded random completions of that length and fixed advantages spread over [−1, 1], so
-every row trains). Weights and optimizer state are *not* reset between repeats: each repeat is the
+prompts, each ``group_size`` times in group-major order like the rollout's, with seeded random
+completions of that length and fixed advantages spread over [−1, 1], so every row trains). Weights and optimizer state are *not* reset between repeats: each repeat is the
 method's next real update on the same batch (a fresh projection A for logra, advanced moments), and
 none of the phases' costs depends on the values. ``step_control.measure_realized`` is forced off (it is
 a diagnostic forward pass, not part of the method).
@@ -115,7 +115,7 @@ class StepTimer:
         model.generation_config.min_new_tokens = tr.cfg.rollout.max_new_tokens  # every completion is full length
         self.prompts = tr._prompts(tr.train_problems[: tc.prompts_per_step])
         n = tc.prompts_per_step * tc.group_size
-        self.batch = fixed_rollouts(tr.tokenizer, n, tr.cfg.rollout.max_new_tokens)
+        self.batch = fixed_rollouts(tr.tokenizer, n, tr.cfg.rollout.max_new_tokens, group=tc.group_size)
         self.advantages, self.keep = torch.linspace(-1.0, 1.0, n), torch.ones(n, dtype=torch.bool)
         self.times: dict[str, float] = {}
         original = tr._phase

@@ -43,6 +43,26 @@ def _add_to_output(extra):
     return hook
 
 
+def _add_lowrank(D: torch.Tensor, A: torch.Tensor, at: float, embedding: bool):
+    """A forward hook adding at·(x Aᵀ) Dᵀ (an nn.Linear's input x) or at·D[ids] A (an nn.Embedding's) to the
+    module's output in place: the scale goes on the r-column factor, the product is accumulated into the
+    output (one pass over it, no temporary of its size where the dtypes agree)."""
+    def hook(module, args, out):
+        if embedding:
+            g, U = D[args[0]].reshape(-1, D.shape[-1]).to(A.dtype), A
+        else:
+            x = args[0]
+            g, U = x.reshape(-1, x.shape[-1]).to(A.dtype) @ A.t(), D.to(A.dtype).t()
+        g = g.mul(at) if embedding else g.mul_(at)
+        flat = out.view(-1, out.shape[-1])
+        if flat.dtype == U.dtype:
+            flat.addmm_(g, U)
+        else:
+            flat.add_((g @ U).to(flat.dtype))
+        return out
+    return hook
+
+
 def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                         position_ids: Optional[torch.Tensor] = None, lowrank: Optional[LowRank] = None,
                         dense: Optional[dict[str, torch.Tensor]] = None, at: float = 1.0, positions=None,
@@ -53,6 +73,11 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
     once, by :func:`logra_core.shared_context.shared_context_forward` (same states up to floating-point
     reordering; the plain forward where :func:`~logra_core.shared_context.context_plan` does not apply)."""
     lowrank, dense = lowrank or {}, dense or {}
+    if positions is not None and positions.dim() == 2 and bool(positions.any()):
+        end = int(positions.any(0).nonzero()[-1]) + 1  # a causal decoder: columns after the last read one change nothing read
+        input_ids, positions = input_ids[:, :end], positions[:, :end]
+        attention_mask = attention_mask[:, :end] if attention_mask is not None else None
+        position_ids = position_ids[:, :end] if position_ids is not None else None
     decoder = _decoder(model)
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = out_emb.weight if out_emb is not None else None
@@ -64,11 +89,8 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
             if not owners and weight is not head:
                 raise ValueError(f"lowrank[{name!r}]: its weight is used by no nn.Linear/nn.Embedding of the model")
             for module in owners:
-                if isinstance(module, nn.Embedding):
-                    extra = lambda ids, out, D=D, A=A: at * (D[ids].to(A.dtype) @ A)
-                else:
-                    extra = lambda x, out, D=D, A=A: at * ((x.to(A.dtype) @ A.t()) @ D.to(A.dtype).t())
-                stack.callback(module.register_forward_hook(_add_to_output(extra)).remove)
+                hook = _add_lowrank(D, A, at, isinstance(module, nn.Embedding))
+                stack.callback(module.register_forward_hook(hook).remove)
         params = {}
         for name, delta in dense.items():
             p = model.get_parameter(name)

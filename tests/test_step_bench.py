@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from experiments.memory.step_bench import main
 
@@ -33,3 +34,24 @@ def test_kl_bench_on_tiny_llama():
     assert "predictor / forward time" in lines and "predict_kl" in lines
     ratio = float(lines["predictor / forward time"].split(":")[1])
     assert ratio > 0
+
+
+def test_fixed_rollouts_group_rows_by_prompt_like_a_grpo_batch():
+    """``group``: row r holds prompt r // group (the time table's probe then shares a group's prompt, as
+    in training); ``pad``: the even groups carry extra real tokens, the odd ones are left-padded."""
+    from experiments.memory.step_bench import fixed_rollouts
+    from experiments.rl.models import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    plain = fixed_rollouts(tok, 4, 5)
+    assert len({tuple(r.tolist()) for r in plain.prompt_ids}) == 4  # one prompt per row
+    batch = fixed_rollouts(tok, 7, 5, group=3, pad=2)
+    prompts = [tuple(r.tolist()) for r in batch.prompt_ids]
+    assert prompts[0] == prompts[1] == prompts[2] != prompts[3]
+    assert prompts[3] == prompts[4] == prompts[5] != prompts[6]
+    mask = batch.prompt_mask
+    assert bool(mask[:3, :2].all()) and not bool(mask[3:6, :2].any()) and bool(mask[6, :2].all())
+    assert batch.completion_ids.shape == (7, 5) and bool(batch.completion_mask.all())
+    assert torch.equal(fixed_rollouts(tok, 7, 5, group=3, pad=2).completion_ids, batch.completion_ids)  # seeded
+    with pytest.raises(ValueError, match="group"):
+        fixed_rollouts(tok, 4, 5, group=0)

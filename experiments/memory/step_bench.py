@@ -57,26 +57,33 @@ def _split(argv: list[str]) -> tuple[dict, list[str]]:
     return {k: str(v) for k, v in asdict(args).items()}, rest
 
 
-def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0, pad: int = 0):
+def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0, pad: int = 0, group: int = 1):
     """A deterministic rollout batch: real arith prompts, random completion tokens, full masks.
 
-    ``pad > 0``: the even rows' prompts get ``pad`` more (random, real) tokens on the left and the odd
-    rows are left-padded to their length, so every micro-batch of two or more rows carries a padding
-    mask, as real GRPO batches do.
+    ``group``: rows per prompt, group-major like a GRPO batch (row r holds prompt r // group; the time
+    table's probe shares a group's prompt as the trainer's does). ``pad > 0``: the even groups' prompts
+    get ``pad`` more (random, real) tokens on the left and the odd ones are left-padded to their
+    length, so every micro-batch of two or more groups carries a padding mask, as real GRPO batches do.
     """
     from experiments.rl.rollout import Rollouts
     from experiments.rl.tasks import TaskConfig, build_task, format_prompt
 
-    problems = build_task(TaskConfig(name="arith")).train_split()[:seqs]
+    if group < 1:
+        raise ValueError(f"fixed_rollouts: group must be >= 1, got {group}")
+    problems = build_task(TaskConfig(name="arith")).train_split()[: -(-seqs // group)]
+    problems = [p for p in problems for _ in range(group)][:seqs]
     enc = tokenizer([format_prompt(tokenizer, p, TaskConfig().instruction) for p in problems],
                     return_tensors="pt", padding=True, add_special_tokens=False)
     g = torch.Generator().manual_seed(seed)
     ids, mask = enc.input_ids, enc.attention_mask
     if pad > 0:
+        of_row = torch.arange(seqs) // group
+        even = of_row % 2 == 0
         extra = torch.full((seqs, pad), tokenizer.pad_token_id, dtype=ids.dtype)
-        extra[0::2] = torch.randint(0, len(tokenizer), (len(extra[0::2]), pad), generator=g)
+        prefix = torch.randint(0, len(tokenizer), (len(range(0, -(-seqs // group), 2)), pad), generator=g)
+        extra[even] = prefix[of_row[even] // 2]  # one prefix per even group
         ids, mask = torch.cat([extra, ids], 1), torch.cat([torch.zeros_like(extra), mask], 1)
-        mask[0::2, :pad] = 1
+        mask[even, :pad] = 1
     completion = torch.randint(0, len(tokenizer), (seqs, completion_len), generator=g)
     ones = torch.ones_like(completion)
     return Rollouts(ids, mask, completion, ones, torch.zeros(seqs, completion_len),
