@@ -29,7 +29,7 @@ class StepControlConfig:
     probe_fraction: float = 0.25  # probe round(fraction × batch sequences) of them (≥ 1, ≤ probe_seqs), drawn across prompt groups; SmolLM2 probe study: 4-16 of 64 sequences read the batch's KL within 4-15 % (docs/speed.md)
     probe_min: int = 12  # but at least this many sequences (≤ the batch, ≤ probe_seqs): a floor for batches with few trained rows, where a quarter is a probe of 2-6 and most misses of κ were; 12 since 3 controlled cpu runs held the realized KL within ±25 % of κ on more of the shrunk steps than at 0 (docs/speed.md)
     probe_weighting: str = "tokens"  # the ratio estimator's size per probe row: tokens (the probe's token mean) | advantage (tokens × |advantage|; on a trained SmolLM2 policy 1.6-1.7x the sampling error of tokens: an option to study, docs/speed.md)
-    chunk: int = 64  # tokens per chunk of the LM-head / vocabulary sums (CPU path; 64: extra memory below a forward's)
+    chunk: int = 64  # the LM-head / vocabulary sums hold chunk × V elements at a time (chunk tokens × the vocabulary; the secant's one-pass sums: chunk·V/1024 tokens × 1024 head rows); 64: extra memory below a forward's
     measure_realized: bool = False  # also compute the exact KL of the applied step on every trained response token (kl/realized; two more forwards of the batch)
     predictor: str = "secant"  # exact (second-order term by a forward-mode tangent, ~3.35 forwards of the probe) | secant (the KL measured at the last step's scale, 2 plain forwards; logra_core/kl_secant.py)
     share_context: bool = True  # secant: the probe's forwards compute the context its rows share (chat header, a group's prompt) once, by a KV cache (same states up to fp reordering; logra_core/shared_context.py)
