@@ -53,7 +53,7 @@ def _add_lowrank(D: torch.Tensor, A: torch.Tensor, at: float, embedding: bool):
         else:
             x = args[0]
             g, U = x.reshape(-1, x.shape[-1]).to(A.dtype) @ A.t(), D.to(A.dtype).t()
-        g = g.mul(at) if embedding else g.mul_(at)
+        g.mul_(at)  # a fresh T × r tensor in both cases (an index gather, a product)
         flat = out.view(-1, out.shape[-1])
         if flat.dtype == U.dtype:
             flat.addmm_(g, U)
