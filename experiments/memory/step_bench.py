@@ -70,7 +70,8 @@ def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0, pad
 
     if group < 1:
         raise ValueError(f"fixed_rollouts: group must be >= 1, got {group}")
-    problems = build_task(TaskConfig(name="arith")).train_split()[: -(-seqs // group)]
+    groups = -(-seqs // group)
+    problems = build_task(TaskConfig(name="arith")).train_split()[:groups]
     problems = [p for p in problems for _ in range(group)][:seqs]
     enc = tokenizer([format_prompt(tokenizer, p, TaskConfig().instruction) for p in problems],
                     return_tensors="pt", padding=True, add_special_tokens=False)
@@ -80,7 +81,7 @@ def fixed_rollouts(tokenizer, seqs: int, completion_len: int, seed: int = 0, pad
         of_row = torch.arange(seqs) // group
         even = of_row % 2 == 0
         extra = torch.full((seqs, pad), tokenizer.pad_token_id, dtype=ids.dtype)
-        prefix = torch.randint(0, len(tokenizer), (len(range(0, -(-seqs // group), 2)), pad), generator=g)
+        prefix = torch.randint(0, len(tokenizer), ((groups + 1) // 2, pad), generator=g)
         extra[even] = prefix[of_row[even] // 2]  # one prefix per even group
         ids, mask = torch.cat([extra, ids], 1), torch.cat([torch.zeros_like(extra), mask], 1)
         mask[even, :pad] = 1
