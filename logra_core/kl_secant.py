@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from logra_core.kl_predictor import LowRank, _decoder, _weight_owners, head_delta, streamed_kl
+from logra_core.kl_predictor import LowRank, _decoder, head_delta, owners_by_weight, streamed_kl
 from logra_core.shared_context import context_plan, shared_context_forward
 
 
@@ -82,10 +82,11 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = out_emb.weight if out_emb is not None else None
     names_in_decoder = {id(p): n for n, p in decoder.named_parameters()}
+    owners_of = owners_by_weight(decoder)
     with ExitStack() as stack, torch.no_grad():
         for name, (D, A) in lowrank.items():
             weight = model.get_submodule(name).weight
-            owners = _weight_owners(decoder, weight)
+            owners = owners_of.get(id(weight), [])
             if not owners and weight is not head:
                 raise ValueError(f"lowrank[{name!r}]: its weight is used by no nn.Linear/nn.Embedding of the model")
             for module in owners:
@@ -98,8 +99,8 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
                 continue  # an untied head: the logits take it (trial_kl_terms)
             if id(p) not in names_in_decoder:
                 raise ValueError(f"dense[{name!r}]: a parameter neither of the decoder nor of the LM head")
-            embeddings = [m for m in _weight_owners(decoder, p) if isinstance(m, nn.Embedding)]
-            if embeddings and len(embeddings) == len(_weight_owners(decoder, p)):
+            embeddings = [m for m in owners_of.get(id(p), []) if isinstance(m, nn.Embedding)]
+            if embeddings and len(embeddings) == len(owners_of.get(id(p), [])):
                 for module in embeddings:  # ε·Δ[ids]: no copy of the vocabulary-sized table
                     stack.callback(module.register_forward_hook(
                         _add_to_output(lambda ids, out, d=delta: at * d[ids])).remove)
