@@ -1,7 +1,7 @@
 """Time of one GRPO step per method, by phase, methods interleaved in one process.
 
     python -m experiments.time_table [out=results/time_table] [methods=<list>] [model=smollm2-135m-instruct]
-        [repeats=5] [warmup=1] [profile=quick] [run-config key=value ...]
+        [repeats=5] [warmup=1] [profile=quick] [phases=all|rollout] [run-config key=value ...]
 
 Every method is built once (a :class:`~experiments.rl.trainer.GRPOTrainer` each, all alive in this
 process), then timed step after step in interleaved order — a warm-up step per method first (not
@@ -16,6 +16,12 @@ that a slow drift of the machine falls on every method alike and no method steps
     kl_predict    step control's KL prediction (inside the optimizer phase in the trainer; shown apart)
     sync          sending the update to the engine's copy of the policy
     step          the whole step, wall clock from the rollout's start to the end of the update
+
+``phases=rollout`` times the rollout alone, round after round (no update: every method generates with
+its initial weights, so the methods sample the same tokens and only their operators could differ) —
+many cheap rounds for the one ratio whose spread the whole-step tables cannot resolve. Besides
+× dense (median over median), every phase has the ratio paired by round (a method's time over
+dense's in the same round; median and quartiles over the rounds).
 
 A phase a method does not run is 0 (e.g. kl_predict without step control, sync with the ``shared``
 engine, old_logprobs with one PPO epoch). The reward computation (math-verify in worker processes,
@@ -58,7 +64,8 @@ import torch
 
 PHASES = ["rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync"]
 COLUMNS = ["method", "model", "device", "phase", "median_s", "q25_s", "q75_s", "min_s", "max_s", "repeats", "x_dense",
-           "git_sha"]
+           "x_dense_paired", "x_dense_paired_q25", "x_dense_paired_q75", "git_sha"]
+STEP_KINDS = ("all", "rollout")
 DEFAULT_METHODS = ("dense,galore,lora,logra:step_control.enabled=false,logra:step_control.enabled=true,"
                    "logra:step_control.enabled=true logra.embeddings=true")
 @dataclass
@@ -69,6 +76,7 @@ class TimeTableArgs:
     repeats: int = 5  # timed rounds (the order rotated every round)
     warmup: int = 1  # untimed steps per method first
     profile: str = "quick"  # the sweep whose base gives the step's shapes (none: the run config's defaults)
+    phases: str = "all"  # all: whole steps | rollout: only the rollout phase each round (no update: many cheap rounds for one ratio)
 
 
 KEYS = {k: str(v) for k, v in asdict(TimeTableArgs()).items()}
@@ -136,8 +144,9 @@ class StepTimer:
         if self.trainer.device.type == "cuda":
             torch.cuda.synchronize(self.trainer.device)
 
-    def step(self, seed: int) -> dict[str, float]:
-        """One step (rollout on the fixed prompts, then the update on the fixed batch): seconds per phase."""
+    def step(self, seed: int, update: bool = True) -> dict[str, float]:
+        """One step (rollout on the fixed prompts, then the update on the fixed batch): seconds per phase.
+        ``update=False``: the rollout only (every other phase 0)."""
         tr = self.trainer
         self.times = {}
         torch.manual_seed(seed)
@@ -145,7 +154,8 @@ class StepTimer:
         t0 = time.perf_counter()
         with tr._phase("rollout"), tr.dist.full_weights(tr.model):
             tr.dist.generate(tr.engine, self.prompts, tr.cfg.train.group_size, tr.step)
-        tr._optimize(self.batch, self.advantages, self.keep)
+        if update:
+            tr._optimize(self.batch, self.advantages, self.keep)
         self._sync()
         total = time.perf_counter() - t0
         tr.step += 1
@@ -166,7 +176,9 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def summarize(samples: dict[str, list[dict]], model: str, device: str, sha: str) -> list[dict]:
-    """One row per method and phase: median, quartiles, min, max over the repeats, and × dense."""
+    """One row per method and phase: median, quartiles, min, max over the repeats, × dense (median over
+    median), and the ratio paired by round (this method's time over dense's in the same round: median
+    and quartiles over the rounds; the rounds' drift of the host falls on both sides of each ratio)."""
     rows = []
     for spec, reps in samples.items():
         for phase in PHASES + ["step"]:
@@ -178,6 +190,10 @@ def summarize(samples: dict[str, list[dict]], model: str, device: str, sha: str)
     for r in rows:
         ref = dense.get(r["phase"])
         r["x_dense"] = r["median_s"] / ref if ref else float("nan")
+        pairs = [a[r["phase"]] / b[r["phase"]] for a, b in zip(samples[r["method"]], samples.get("dense", []))
+                 if b[r["phase"]] > 0]
+        r["x_dense_paired"], r["x_dense_paired_q25"], r["x_dense_paired_q75"] = (
+            (statistics.median(pairs), _quantile(pairs, 0.25), _quantile(pairs, 0.75)) if pairs else (float("nan"),) * 3)
     return rows
 
 
@@ -217,6 +233,15 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'× dense (median / median)':<58}")
     for m in methods:
         print(f"{m:<58}" + "".join(f"{by[(m, p)]['x_dense']:>13.3f}" for p in cols))
+    print(f"{'× dense paired by round: median [q25, q75]':<58}")
+    for m in methods:
+        print(f"{m:<58}" + "".join(f"{_paired(by[(m, p)]):>17}" for p in cols))
+
+
+def _paired(row: dict) -> str:
+    if row["x_dense_paired"] != row["x_dense_paired"]:  # nan: no pairs
+        return "nan"
+    return f"{row['x_dense_paired']:.3f}[{row['x_dense_paired_q25']:.2f},{row['x_dense_paired_q75']:.2f}]"
 
 
 def rotation(items: list, r: int) -> list:
@@ -249,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     repeats, warmup = int(args["repeats"]), int(args["warmup"])
     if repeats < 1 or warmup < 0:
         raise SystemExit("repeats must be >= 1 and warmup >= 0")
+    if args["phases"] not in STEP_KINDS:
+        raise SystemExit(f"phases={args['phases']!r}: one of {', '.join(STEP_KINDS)}")
+    update = args["phases"] == "all"
     samples: dict[str, list[dict]] = {s: [] for s in specs}
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         timers = []
@@ -258,10 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         device = str(timers[0].trainer.device)
         for w in range(warmup):
             for t in timers:
-                t.step(seed=w)
+                t.step(seed=w, update=update)
         for r in range(repeats):
             for t in rotation(timers, r):
-                samples[t.spec].append(t.step(seed=1000 + r))  # the same seed for every method in a round
+                samples[t.spec].append(t.step(seed=1000 + r, update=update))  # the same seed for every method in a round
                 print(f"[time_table] round {r + 1}/{repeats} {t.spec}: step {samples[t.spec][-1]['step']:.3f} s", flush=True)
     rows = summarize(samples, args["model"], device, sha)
     out = Path(args["out"])

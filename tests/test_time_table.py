@@ -48,6 +48,24 @@ def test_summarize_statistics():
     assert (rows[("x", "step")]["min_s"], rows[("x", "step")]["max_s"]) == (4.0, 8.0)
     assert (rows[("x", "step")]["q25_s"], rows[("x", "step")]["q75_s"]) == (5.0, 7.0)
     assert rows[("x", "rollout")]["x_dense"] == 0.0
+    # paired by round: 4/1, 8/3, 6/2 -> median 3, not the ratio of medians' 6/2
+    assert rows[("x", "step")]["x_dense_paired"] == 3.0
+    assert rows[("x", "step")]["x_dense_paired_q25"] == pytest.approx((8 / 3 + 3) / 2)
+    assert rows[("x", "step")]["x_dense_paired_q75"] == pytest.approx((3 + 4) / 2)
+    assert rows[("x", "rollout")]["x_dense_paired"] == 0.0
+
+
+def test_rollout_only_rounds_time_generation_alone(tmp_path):
+    out = tmp_path / "time"
+    main(["model=tiny-llama", "repeats=3", "warmup=0", f"out={out}", "methods=dense,logra", "phases=rollout",
+          "logra.rank=8", "train.prompts_per_step=2", "train.group_size=2", "rollout.max_new_tokens=4"])
+    by = {(r["method"], r["phase"]): r for r in csv.DictReader(open(out / "time.csv"))}
+    for m in ("dense", "logra"):
+        assert float(by[(m, "rollout")]["median_s"]) > 0
+        assert all(float(by[(m, p)]["max_s"]) == 0.0 for p in PHASES if p != "rollout")  # no update ran
+        assert float(by[(m, "rollout")]["x_dense_paired"]) > 0
+    with pytest.raises(SystemExit, match="phases="):
+        main(["model=tiny-llama", "repeats=1", f"out={out}", "methods=dense", "phases=update"])
 
 
 def test_rounds_rotate_so_every_method_takes_every_position_and_never_repeats():
