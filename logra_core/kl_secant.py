@@ -36,10 +36,10 @@ from logra_core.kl_predictor import LowRank, _decoder, head_delta, owners_by_wei
 from logra_core.shared_context import context_plan, shared_context_forward
 
 
-def _add_to_output(extra):
-    """A forward hook returning out + extra(module input, out)."""
+def _add_rows(delta: torch.Tensor, at: float):
+    """A forward hook adding at·Δ[ids] to an nn.Embedding's output (a fresh gather) in place."""
     def hook(module, args, out):
-        return out + extra(args[0], out).to(out.dtype)
+        return out.add_(delta[args[0]].to(out.dtype), alpha=at)
     return hook
 
 
@@ -102,8 +102,7 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
             embeddings = [m for m in owners_of.get(id(p), []) if isinstance(m, nn.Embedding)]
             if embeddings and len(embeddings) == len(owners_of.get(id(p), [])):
                 for module in embeddings:  # ε·Δ[ids]: no copy of the vocabulary-sized table
-                    stack.callback(module.register_forward_hook(
-                        _add_to_output(lambda ids, out, d=delta: at * d[ids])).remove)
+                    stack.callback(module.register_forward_hook(_add_rows(delta, at)).remove)
             else:
                 params[names_in_decoder[id(p)]] = p.detach() + at * delta.to(p.dtype)
         plan = context_plan(input_ids, attention_mask, position_ids, positions, getattr(model, "config", None)) \

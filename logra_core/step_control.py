@@ -58,10 +58,13 @@ class StepControlConfig:
         """Sequences to probe in a batch of ``batch_seqs``: round(probe_fraction · batch_seqs), at least 1
         and ``probe_min``, at most ``probe_seqs`` and the batch.
 
-        Cost: the prediction takes ≈ 3.35 forwards of its probe (results/kl_predictor), the update's
-        forward + backward ≈ 3 forwards of the whole batch, so the prediction's share of the training
-        pass is ≈ 1.1 · n / batch_seqs; with rollout and optimizer around it, a fraction of 0.06 keeps it
-        near 5 % of the step (not the default: see docs/speed.md). The probe's sampling error is logged as ``kl/predicted_stderr``."""
+        Cost: the default secant predictor runs one forward of the probe at the trial weights (its
+        state at θ is kept from the update's forward) and two vocabulary-sized head products per probe
+        token; the update's forward + backward is ≈ 3 forwards of the whole batch, so the prediction
+        is ≈ n / (3 · batch_seqs) of the training pass plus the head. Measured shares of logra's step
+        (docs/speed.md, results/time_table/kl_cost_*): ≈ 5 % at 64 sequences (16 probed), 2.8 % at
+        128, 11 % at 16 (the floor probes 12). The probe's sampling error is logged as
+        ``kl/predicted_stderr``."""
         return max(1, min(self.probe_seqs, batch_seqs, max(self.probe_min, round(self.probe_fraction * batch_seqs))))
 
 
