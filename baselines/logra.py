@@ -62,8 +62,8 @@ class LoGRAMethod(Method):
         ``dense_precision``. A bf16/fp16 sketched weight keeps, by ``master`` (logra_core/precision.py):
         ``fp32`` an fp32 master (4 B per element), ``kahan`` a compensation in the weight dtype (2 B),
         ``stochastic`` / ``none`` nothing. Kept on the layers: the last applied D (m x r) for weight sync
-        and the projection A (r x n). At the step, the update (D and its scaled copy, AdamW's direction
-        and entry) is held until ``apply``, which merges one row block at a time."""
+        and the projection A (r x n). At the step, the update (D and its scaled copy, AdamW's step per
+        unsketched tensor) is held until ``apply``, which merges one row block at a time."""
         s, r, b, o = ctx.shapes, ctx.rank, ctx.weight_bytes, ctx.shard_optimizer
         emb = bool(ctx.options.get("embeddings", False))
         master = str(ctx.options.get("master", "fp32"))
@@ -97,12 +97,13 @@ class LoGRAMethod(Method):
                  Term("optimizer", "LoGRA sketches", sum(m for m, _ in s.proj) * r * 4 // o, f"m x {r} fp32 per projection")]
         biggest_dense = max([s.embed if embed_dense else 0, s.head if head_dense else 0, h])
         mb = ctx.moment_bytes(dprec)
-        step = [Term("activations", "update of the unsketched tensors", 2 * dense_rest * mb // o,
-                     "AdamW direction and the dense entry per tensor (in the moments' dtype), held in the Update until apply"),
-                Term("activations", "temporaries of the largest dense entry", 2 * biggest_dense * mb // o,
-                     "direction * alpha and p * decay while the entry is formed"),
+        step = [Term("activations", "update of the unsketched tensors", dense_rest * mb // o,
+                     "AdamW's step per tensor (in the moments' dtype, formed in place of its direction), held in the Update until apply"),
                 Term("activations", "D and its scaled copy", 2 * rows * r * 4 // o,
                      f"m x {r} fp32 per sketched weight, held in the Update until apply")]
+        if ctx.mixed(dprec):
+            step.append(Term("activations", "the largest dense gradient in fp32", biggest_dense * 4 // o,
+                             "a bf16/fp16 gradient cast to its fp32 moments' dtype while they advance"))
         if ctx.low and MERGE_TEMP_BYTES[master]:
             shapes = list(s.proj) + ([(V, h)] if emb else [])
             block = max(min(m, max(1, CHUNK_ELEMENTS // n)) * n for m, n in shapes)

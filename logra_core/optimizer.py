@@ -60,12 +60,10 @@ class PendingLowRank:
 
 @dataclass
 class PendingDense:
-    """An unsketched tensor's proposed AdamW step: θ ← (1 − s·decay)·θ + s·alpha·direction."""
+    """An unsketched tensor's proposed AdamW step Δ = α·m/(√v̂ + ε) − ηλ·θ: θ ← θ + s·Δ."""
 
     param: torch.Tensor
-    direction: torch.Tensor  # m / (√v̂ + ε), the first moment without its bias correction
-    alpha: float  # −η / (1 − β₁ᵗ)
-    decay: float  # lr · weight decay
+    delta: torch.Tensor  # the same tensor as the Update's ``dense`` entry (formed in place: no copy)
 
 
 class LoGRA(torch.optim.Optimizer):
@@ -174,10 +172,12 @@ class LoGRA(torch.optim.Optimizer):
             else:
                 for p in group["params"]:
                     if p.grad is not None:
-                        direction, alpha, decay = self._adamw_update(p, group)
-                        update.pending.append(PendingDense(p, direction, alpha, decay))
-                        value = self.state[p].get("master", p.detach())
-                        update.dense[self.param_name[id(p)]] = direction * alpha - value * decay
+                        delta, alpha, decay = self._adamw_update(p, group)
+                        delta.mul_(alpha)  # Δ in place of the direction: no tensor-sized temporary
+                        if decay:
+                            delta.sub_(self.state[p].get("master", p.detach()), alpha=decay)
+                        update.pending.append(PendingDense(p, delta))
+                        update.dense[self.param_name[id(p)]] = delta
         return update
 
     @torch.no_grad()
@@ -191,11 +191,8 @@ class LoGRA(torch.optim.Optimizer):
         for item in update.pending:
             p = item.param
             if isinstance(item, PendingDense):
-                direction, alpha, decay = item.direction, item.alpha, item.decay
                 target = self.state[p].get("master", p)  # mixed precision: the fp32 master
-                if decay:
-                    target.mul_(1 - scale * decay)
-                target.add_(direction, alpha=alpha * scale)
+                target.add_(item.delta, alpha=scale)
                 if target is not p:
                     p.copy_(target)
                 self.last_changed.append(self.param_name[id(p)])
@@ -346,8 +343,9 @@ class LoGRA(torch.optim.Optimizer):
         lr, g = group["lr"], p.grad.to(state["exp_avg"].dtype)
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(group["eps"])
-        return state["exp_avg"] / denom, -lr / (1 - beta1**t), lr * group["weight_decay"]
+        direction = state["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])  # √v̂ + ε ...
+        torch.div(state["exp_avg"], direction, out=direction)  # ... then m / (√v̂ + ε) in the same tensor
+        return direction, -lr / (1 - beta1**t), lr * group["weight_decay"]
 
     @torch.no_grad()
     def reduce_gradients(self, group=None) -> int:

@@ -99,6 +99,25 @@ def _inject_into_loss(monkeypatch, trainer, steps):
     return ["loss"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_first_nonfinite_finds_one_bad_element_anywhere(dtype):
+    """The guard's check (min and max of each tensor) names the first tensor holding a NaN, +Inf or
+    −Inf wherever it sits, and passes the largest finite values, empty and integer tensors."""
+    from baselines.base import first_nonfinite
+
+    big = torch.finfo(dtype).max
+    clean = [("empty", torch.empty(0, dtype=dtype)), ("ints", torch.arange(5)), ("none", None),
+             ("extremes", torch.tensor([big, -big, 0.0], dtype=dtype)), ("w", torch.randn(64, 33).to(dtype))]
+    assert first_nonfinite(clean) is None
+    gen = torch.Generator().manual_seed(0)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for _ in range(3):
+            t = torch.randn(64, 33).to(dtype)
+            i = int(torch.randint(t.numel(), (1,), generator=gen))
+            t.view(-1)[i] = bad
+            assert first_nonfinite([*clean, ("bad", t), ("later", t.clone())]) == "bad", (bad, i)
+
+
 CASES = {  # method -> (overrides, where the NaN/Inf goes)
     "dense": (METHOD_ARGS["dense"] + ["rollout.engine=hf"], "grad"),  # an engine with its own copy: no sync on a skip
     "logra_sketch": (METHOD_ARGS["logra"], "sketch"),  # step control on: the propose path
