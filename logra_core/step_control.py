@@ -62,8 +62,8 @@ class StepControlConfig:
         state at θ is kept from the update's forward) and two vocabulary-sized head products per probe
         token; the update's forward + backward is ≈ 3 forwards of the whole batch, so the prediction
         is ≈ n / (3 · batch_seqs) of the training pass plus the head. Measured shares of logra's step
-        (docs/speed.md, results/time_table/kl_cost_*): ≈ 5 % at 64 sequences (16 probed), 2.8 % at
-        128, 11 % at 16 (the floor probes 12). The probe's sampling error is logged as
+        (docs/speed.md, results/time_table/step_*_c19ea52, kl_cost_16x8): 4.6 % at 64 sequences (16
+        probed), 2.8 % at 128, 10.4 % at 16 (the floor probes 12). The probe's sampling error is logged as
         ``kl/predicted_stderr``."""
         return max(1, min(self.probe_seqs, batch_seqs, max(self.probe_min, round(self.probe_fraction * batch_seqs))))
 
