@@ -56,10 +56,10 @@ def first_nonfinite(named: Iterable[tuple[str, Optional[torch.Tensor]]]) -> Opti
 
 def _finite(t: torch.Tensor) -> torch.Tensor:
     """A 0-d bool tensor: no NaN and no ±Inf in ``t`` (integer and empty tensors: True)."""
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
     if t.is_complex():
-        return torch.isfinite(t).all()
+        t = torch.view_as_real(t)  # real and imaginary parts, no copy
+    if not t.is_floating_point() or t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
     lo, hi = torch.aminmax(t)  # NaN propagates through both; ±Inf is an extreme
     return torch.isfinite(lo) & torch.isfinite(hi)
 

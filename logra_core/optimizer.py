@@ -172,10 +172,7 @@ class LoGRA(torch.optim.Optimizer):
             else:
                 for p in group["params"]:
                     if p.grad is not None:
-                        delta, alpha, decay = self._adamw_update(p, group)
-                        delta.mul_(alpha)  # Δ in place of the direction: no tensor-sized temporary
-                        if decay:
-                            delta.sub_(self.state[p].get("master", p.detach()), alpha=decay)
+                        delta = self._adamw_update(p, group)
                         update.pending.append(PendingDense(p, delta))
                         update.dense[self.param_name[id(p)]] = delta
         return update
@@ -327,8 +324,9 @@ class LoGRA(torch.optim.Optimizer):
 
     def _adamw_update(self, p: torch.Tensor, group: dict):
         """torch.optim.AdamW's formula (a scheduler's changes to ``group['lr']`` apply): advances the
-        moments, returns (m̂/(√v̂+ε) without the 1/(1−β₁ᵗ), its coefficient −η/(1−β₁ᵗ), decay ηλ).
-        ``precision="mixed"`` on a bf16/fp16 tensor: fp32 master and moments, the gradient cast to fp32."""
+        moments, returns the step Δ = −η/(1−β₁ᵗ) · m/(√v̂+ε) − ηλ·θ, formed in one new tensor (no
+        temporary of the tensor's size). ``precision="mixed"`` on a bf16/fp16 tensor: fp32 master and
+        moments, the gradient cast to fp32; θ is the master."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
@@ -343,9 +341,12 @@ class LoGRA(torch.optim.Optimizer):
         lr, g = group["lr"], p.grad.to(state["exp_avg"].dtype)
         state["exp_avg"].lerp_(g, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        direction = state["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])  # √v̂ + ε ...
-        torch.div(state["exp_avg"], direction, out=direction)  # ... then m / (√v̂ + ε) in the same tensor
-        return direction, -lr / (1 - beta1**t), lr * group["weight_decay"]
+        delta = state["exp_avg_sq"].sqrt().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])  # √v̂ + ε ...
+        torch.div(state["exp_avg"], delta, out=delta).mul_(-lr / (1 - beta1**t))  # ... then the step, in place
+        decay = lr * group["weight_decay"]
+        if decay:
+            delta.sub_(state.get("master", p.detach()), alpha=decay)
+        return delta
 
     @torch.no_grad()
     def reduce_gradients(self, group=None) -> int:
