@@ -8,6 +8,9 @@ Every test belongs to exactly one tier (markers registered in pyproject.toml):
 - ``integration``: tiny-llama end to end (the trainer, the launcher, benchmarks), subprocesses,
   torchrun/gloo, the notebook.
 - ``slow``: the real SmolLM2-135M-Instruct.
+- ``slurm``: tiny-llama sweeps on a real single-node SLURM cluster that the session starts itself
+  (:func:`slurm_cluster`: ``scripts/slurm_local.sh``, which installs the Debian packages when
+  missing); skipped, with the reason, where they cannot be had (not root, no apt-get, offline).
 
 A file sets its tier with ``pytestmark = pytest.mark.<tier>``; a test marked with another tier
 belongs to that tier only (the closest marker wins, so ``-m unit`` never selects an integration
@@ -15,6 +18,7 @@ test of a mostly-unit file). A test without a tier is a collection error naming 
 """
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,7 +51,37 @@ def data_dir() -> Path:
     return path
 
 
-TIERS = ("unit", "integration", "slow")
+TIERS = ("unit", "integration", "slow", "slurm")
+SLURM_UNAVAILABLE = 3  # scripts/slurm_local.sh's exit code when the packages cannot be had
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A single-node SLURM cluster with accounting on 127.0.0.1 (``scripts/slurm_local.sh start``),
+    ``SLURM_CONF`` exported to this process and so to every job it submits; stopped by its own PIDs
+    at the end of the session, whatever the tests did. Yields its directory (configs, ``log/``)."""
+    where = tmp_path_factory.mktemp("slurm")
+    env = {**os.environ, "LOGRA_SLURM_DIR": str(where), "LOGRA_SLURM_KEEP": "1"}  # logs stay in pytest's tmp dir
+    env.pop("SLURM_CONF", None)
+    script = REPO / "scripts" / "slurm_local.sh"
+    stop = lambda: subprocess.run(["bash", str(script), "stop"], env=env, capture_output=True, timeout=120)  # noqa: E731
+    try:
+        started = subprocess.run(["bash", str(script), "start"], env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        stop()
+        raise
+    if started.returncode != 0:
+        stop()
+        if started.returncode == SLURM_UNAVAILABLE:
+            pytest.skip("no SLURM here: " + started.stderr.strip().splitlines()[-1])
+        pytest.fail(f"scripts/slurm_local.sh start failed (exit {started.returncode}):\n{started.stderr[-3000:]}")
+    conf = started.stdout.strip().split("=", 1)[1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", conf)
+        try:
+            yield where
+        finally:
+            stop()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -62,7 +96,7 @@ def pytest_collection_modifyitems(config, items):
     if untiered:
         raise pytest.UsageError(
             f"tests without a tier marker ({' | '.join(TIERS)}): {', '.join(untiered[:10])}"
-            f"{' ...' if len(untiered) > 10 else ''}. Add `pytestmark = pytest.mark.unit` (or integration / slow) "
+            f"{' ...' if len(untiered) > 10 else ''}. Add `pytestmark = pytest.mark.unit` (or integration / slow / slurm) "
             "at the top of the file, or mark the test; see tests/conftest.py.")
     parents = {id(node): node for item in items for node in item.listchain()[:-1]}
     for node in parents.values():  # module/class tiers were defaults: each item now carries its own

@@ -48,3 +48,40 @@ def listening_train(cfg) -> list[dict]:
         return [{"step": 0}]
     finally:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def paced_train(cfg) -> list[dict]:
+    """The real trainer (toy task); in the SLURM attempt $LOGRA_PACED_ATTEMPT (SLURM_RESTART_COUNT:
+    0, then 1 after the first requeue, ...) each step is followed by $LOGRA_STEP_PAUSE seconds of
+    sleep: an attempt that lasts until a scheduler's periodic time-limit check without using the CPU.
+    The pause changes no number the run computes."""
+    import time
+
+    import tests.toy_task  # noqa: F401
+    from experiments.launcher.jobs import train_run
+    from experiments.rl.trainer import GRPOTrainer
+
+    paced = os.environ.get("SLURM_RESTART_COUNT", "0") == os.environ.get("LOGRA_PACED_ATTEMPT", "0")
+    pause, step = float(os.environ.get("LOGRA_STEP_PAUSE", "0")) if paced else 0.0, GRPOTrainer.train_step
+
+    def paced(self):
+        record = step(self)
+        time.sleep(pause)
+        return record
+
+    GRPOTrainer.train_step = paced
+    return train_run(cfg)
+
+
+def died_train(cfg) -> list[dict]:
+    """A job that dies without a word (as the kernel's OOM killer would end it): no result, no traceback."""
+    import signal
+
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def job_environment() -> dict:
+    """What a job sees of its allocation."""
+    keys = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID")
+    return {k: os.environ.get(k) for k in keys}

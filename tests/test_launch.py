@@ -293,7 +293,7 @@ def test_slurm_submission_script_is_rendered_for_a_sample_config(tmp_path):
                  "#SBATCH --cpus-per-task=64", "#SBATCH --time=120", "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1",
                  f"#SBATCH --job-name={run.label}", "#SBATCH --signal=USR2@", "#SBATCH --mem=500GB"]:
         assert line in script, line
-    assert "-m submitit.core._submit" in script and str(run.run_dir / "submitit") in script
+    assert "-m submitit.core._submit" in script and str(tmp_path / "root" / "submitit" / "%j") in script  # the array's folder
 
 
 @pytest.mark.integration  # slow for the unit tier (see --durations)

@@ -1,6 +1,7 @@
 """Where jobs run: ``debug`` (in this process, one after another), ``local`` (submitit's
-LocalExecutor: one process per run, at most ``max_parallel`` at once) and ``slurm`` (submitit's
-AutoExecutor; the SLURM options come from the sweep's ``launcher:`` section).
+LocalExecutor: one process per run, at most ``max_parallel`` at once) and ``slurm`` (one job array
+through submitit; the SLURM options come from the sweep's ``launcher:`` section:
+:mod:`experiments.launcher.slurm`).
 
 Every executor returns one :class:`Outcome` per run; a failing run is reported with its log path and
 never stops the others.
@@ -8,62 +9,27 @@ never stops the others.
 
 from __future__ import annotations
 
-import json
 import time
 import traceback
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterable, Optional
-from unittest import mock
+from typing import Callable, Iterable
 
 import submitit
 from tqdm.auto import tqdm
 
-from experiments.launcher.jobs import RunPreempted, TrainJob, write_failure
+from experiments.launcher.jobs import RunPreempted, write_failure
+from experiments.launcher.outcomes import Outcome, collect, make_job, print_line
+from experiments.launcher.slurm import SLURM_KEYS, render_sbatch, run_slurm  # noqa: F401  (render_sbatch: re-exported)
 from experiments.launcher.sweep import Run
 
-# The sweep's launcher: keys (besides name, max_parallel, wait) and the submitit parameter each sets.
-SLURM_KEYS = {
-    "partition": "slurm_partition",
-    "account": "slurm_account",
-    "qos": "slurm_qos",
-    "constraint": "slurm_constraint",
-    "gpus_per_node": "gpus_per_node",
-    "cpus_per_task": "cpus_per_task",
-    "nodes": "nodes",
-    "timeout_min": "timeout_min",
-    "mem_gb": "mem_gb",
-    "setup": "slurm_setup",
-    "additional": "slurm_additional_parameters",
-    "signal_delay_s": "slurm_signal_delay_s",
-}
-LAUNCHER_KEYS = set(SLURM_KEYS) | {"name", "max_parallel", "wait", "max_num_timeout"}
-
-
-@dataclass
-class Outcome:
-    run: Run
-    status: str  # done | skipped | failed | submitted | running | preempted
-    log: Optional[Path] = None
-    detail: str = ""
+# max_parallel: runs at once (local processes; the slurm array's limit); wait: slurm blocks until the runs end,
+# polling every poll_s, and reports a job that left the queue with no trace in sacct after lost_after_s
+LAUNCHER_KEYS = set(SLURM_KEYS) | {"name", "max_parallel", "wait", "max_num_timeout", "poll_s", "lost_after_s"}
 
 
 def check_launcher(cfg: dict) -> None:
     unknown = set(cfg) - LAUNCHER_KEYS
     if unknown:
         raise ValueError(f"unknown launcher keys {sorted(unknown)}; known: {sorted(LAUNCHER_KEYS)}")
-
-
-def make_job(run: Run, launcher: dict, train_fn=None) -> TrainJob:
-    kw = {"train_fn": train_fn} if train_fn is not None else {}
-    return TrainJob(run.overrides, run.run_dir, gpus=int(launcher.get("gpus_per_node") or 1), nodes=int(launcher.get("nodes") or 1), **kw)
-
-
-def _line(bar, outcome: Outcome) -> None:
-    where = f"  log: {outcome.log}" if outcome.log and outcome.status in ("failed", "preempted") else ""
-    detail = f"  ({outcome.detail})" if outcome.detail else ""
-    bar.write(f"[{outcome.status:>9}] {outcome.run.label}{detail}{where}")
 
 
 # ---- debug: in-process, sequential ------------------------------------------------------------
@@ -80,7 +46,7 @@ def run_debug(runs: list[Run], launcher: dict, train_fn=None) -> list[Outcome]:
             out = Outcome(run, "preempted", write_failure(run.run_dir, traceback.format_exc()), str(e))
         except Exception as e:  # noqa: BLE001  (isolation: one failing run never stops the others)
             out = Outcome(run, "failed", write_failure(run.run_dir, traceback.format_exc()), f"{type(e).__name__}: {e}"[:300])
-        _line(bar, out)
+        print_line(bar, out)
         outcomes.append(out)
         bar.update(1)
     bar.close()
@@ -110,8 +76,8 @@ def run_local(runs: list[Run], launcher: dict, train_fn=None, poll_s: float = 1.
             for item in [a for a in active if a[1].done()]:
                 active.remove(item)
                 run, job, t0 = item
-                out = _collect(run, job, t0)
-                _line(bar, out)
+                out = collect(run, job, t0)
+                print_line(bar, out)
                 outcomes.append(out)
                 bar.update(1)
     except KeyboardInterrupt:
@@ -120,93 +86,6 @@ def run_local(runs: list[Run], launcher: dict, train_fn=None, poll_s: float = 1.
         raise
     finally:
         bar.close()
-    return outcomes
-
-
-def _collect(run: Run, job, t0: float) -> Outcome:
-    log = job.paths.stderr
-    try:
-        job.result()
-        return Outcome(run, "done", log, f"{time.time() - t0:.0f} s")
-    except Exception as e:  # noqa: BLE001  submitit re-raises the job's error as FailedJobError
-        text = str(e)
-        write_failure(run.run_dir, f"{text}\n\nlogs: {job.paths.stdout}\n      {job.paths.stderr}\n")
-        status = "preempted" if "RunPreempted" in text or "Preempted" in text else "failed"
-        last = [l for l in text.strip().splitlines() if l.strip()][-1:] or ["failed"]
-        return Outcome(run, status, log, last[0][:300])
-
-
-# ---- slurm: submitit AutoExecutor ---------------------------------------------------------------
-def slurm_parameters(run: Run, launcher: dict) -> dict:
-    params = {"name": run.label, "tasks_per_node": 1, "timeout_min": 60 * 24}
-    for key, value in launcher.items():
-        if key in SLURM_KEYS and value is not None:
-            params[SLURM_KEYS[key]] = value
-    return params
-
-
-@contextmanager
-def _pretend_slurm():
-    """submitit's SlurmExecutor refuses to exist without ``srun``; rendering a script needs no cluster."""
-    with mock.patch.object(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 2)):
-        yield
-
-
-def slurm_executor(run: Run, launcher: dict, render_only: bool = False) -> submitit.AutoExecutor:
-    folder = run.run_dir / "submitit"
-    if render_only:
-        with _pretend_slurm():
-            ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=int(launcher.get("max_num_timeout", 3)))
-    else:
-        ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=int(launcher.get("max_num_timeout", 3)))
-    ex.update_parameters(**slurm_parameters(run, launcher))
-    return ex
-
-
-def render_sbatch(run: Run, launcher: dict) -> str:
-    """The sbatch script submitit would submit for ``run`` (no cluster needed)."""
-    ex = slurm_executor(run, launcher, render_only=True)
-    inner = ex._executor
-    return inner._make_submission_file_text(inner._submitit_command_str, "render")
-
-
-def _slurm_state(run: Run) -> Optional[str]:
-    path = run.run_dir / "submitted.json"
-    if not path.exists():
-        return None
-    job_id = json.loads(path.read_text())["job_id"]
-    try:
-        return submitit.SlurmJob(folder=run.run_dir / "submitit", job_id=job_id).state
-    except Exception:  # noqa: BLE001  (no sacct here: treat as unknown, resubmit)
-        return None
-
-
-def run_slurm(runs: list[Run], launcher: dict, train_fn=None) -> list[Outcome]:
-    """Submit every run not already queued or running; with ``launcher.wait`` block and collect."""
-    outcomes, jobs = [], []
-    bar = tqdm(total=len(runs), desc="submit", unit="run", dynamic_ncols=True)
-    for run in runs:
-        state = _slurm_state(run)
-        if state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING", "SUSPENDED"):
-            out = Outcome(run, "running", detail=f"already {state}")
-        else:
-            job = slurm_executor(run, launcher).submit(make_job(run, launcher, train_fn))
-            (run.run_dir / "submitted.json").write_text(json.dumps({"job_id": job.job_id, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
-            jobs.append((run, job, time.time()))
-            out = Outcome(run, "submitted", job.paths.stderr, f"job {job.job_id}")
-        _line(bar, out)
-        outcomes.append(out)
-        bar.update(1)
-    bar.close()
-    if launcher.get("wait"):
-        waited = []
-        for run, job, t0 in jobs:
-            job.wait()
-            out = _collect(run, job, t0)
-            _line(tqdm, out)
-            waited.append(out)
-        done = {id(o.run) for o in waited}
-        outcomes = [o for o in outcomes if id(o.run) not in done] + waited
     return outcomes
 
 

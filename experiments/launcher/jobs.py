@@ -14,9 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,9 @@ import submitit
 
 from experiments.common.config import flatten
 from experiments.config import NOT_IDENTITY
+from experiments.launcher import torchrun
 from experiments.launcher.sweep import DONE
+from experiments.launcher.torchrun import torchrun_command  # noqa: F401  (re-exported)
 
 PREEMPTED_EXIT = 143  # python -m experiments.train after Preempted (128 + SIGTERM)
 
@@ -77,29 +77,6 @@ def resume_overrides(run_dir: Path, overrides: list[str]) -> list[str]:
     return keep
 
 
-def torchrun_command(overrides: list[str], gpus: int, nodes: int = 1, port: int = 29500) -> list[str]:
-    """The command of a multi-GPU run (/work/coord/NOTES-10-to-8.md): every rank gets the same args.
-
-    One node: ``torchrun --standalone --nproc_per_node=G -m experiments.train <args>``. Several
-    nodes: one task per node (srun), rendezvous at the first host of the allocation."""
-    if nodes <= 1:
-        head = ["torchrun", "--standalone", f"--nproc_per_node={gpus}"]
-    else:
-        host = os.environ.get("LOGRA_RDZV_HOST") or "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)"
-        head = ["torchrun", "--nnodes=" + os.environ.get("SLURM_NNODES", str(nodes)), f"--nproc_per_node={gpus}",
-                "--rdzv_backend=c10d", f"--rdzv_endpoint={host}:{port}", "--rdzv_id=" + os.environ.get("SLURM_JOB_ID", "logra")]
-    return head + ["-m", "experiments.train"] + list(overrides)
-
-
-def _first_host() -> str:
-    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30).stdout
-        return out.split()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "localhost"
-
-
 class TrainJob(submitit.helpers.Checkpointable):
     """One run: ``overrides`` + ``out_dir=run_dir resume=true``; writes ``done.json`` on success.
 
@@ -130,7 +107,7 @@ class TrainJob(submitit.helpers.Checkpointable):
             signal.signal(requeue[1], _forward_to_trainer(*requeue))
         try:
             if self.gpus > 1 or self.nodes > 1:
-                self._torchrun(args)
+                self._torchrun(args, requeue[1] if requeue is not None else None)
                 steps = None
             else:
                 from experiments.config import build_config
@@ -140,6 +117,7 @@ class TrainJob(submitit.helpers.Checkpointable):
         except _preempted_types() as e:
             if requeue is not None:  # hand over to submitit: checkpoint() then requeue, as on its own signal
                 print(f"[launch] {self.run_dir.name}: preempted at a checkpoint; requeueing", flush=True)
+                signal.signal(requeue[1], signal.SIG_IGN)  # a late second signal must not requeue twice
                 requeue[0](requeue[1], None)
             raise RunPreempted(f"{self.run_dir} stopped at a checkpoint ({e}); rerun to resume") from e
         if self._rank() != 0:
@@ -154,14 +132,16 @@ class TrainJob(submitit.helpers.Checkpointable):
     def _rank(self) -> int:
         return int(os.environ.get("SLURM_NODEID", os.environ.get("SUBMITIT_LOCAL_NODEID", "0")) or 0)
 
-    def _torchrun(self, args: list[str]) -> None:
+    def _torchrun(self, args: list[str], listen=None) -> None:
+        """The run as ``torchrun`` ranks (:mod:`experiments.launcher.torchrun`); ``listen``: submitit's
+        signal, passed on to the ranks. Raises :class:`RunPreempted` when they stopped at a checkpoint."""
         if self.nodes > 1:
-            os.environ.setdefault("LOGRA_RDZV_HOST", _first_host())
-        cmd = torchrun_command(args, self.gpus, self.nodes)
-        print("[launch] " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-        rc = subprocess.run(cmd).returncode
-        if rc == PREEMPTED_EXIT:
-            raise RunPreempted(f"torchrun exited {rc}")
+            os.environ.setdefault("LOGRA_RDZV_HOST", torchrun.first_host())
+        rc, told = torchrun.run(torchrun_command(args, self.gpus, self.nodes), listen)
+        if rc == 0:  # finished (a signal during the last step changes nothing)
+            return
+        if told or rc == PREEMPTED_EXIT:
+            raise RunPreempted(f"torchrun exited {rc} after {'the job was signalled' if told else 'a preemption'}")
         if rc != 0:
             raise RuntimeError(f"torchrun exited with code {rc}")
 

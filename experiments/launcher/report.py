@@ -8,8 +8,9 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
-from experiments.launcher.executors import Outcome, render_sbatch
-from experiments.launcher.jobs import torchrun_command
+from experiments.launcher.outcomes import Outcome
+from experiments.launcher.slurm import render_sbatch
+from experiments.launcher.torchrun import torchrun_command
 from experiments.common.config import flatten
 from experiments.launcher.sweep import Run, Sweep, dotlist_value
 
