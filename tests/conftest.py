@@ -81,6 +81,9 @@ def slurm_cluster(tmp_path_factory):
         try:
             yield where
         finally:
+            with open(where / "log" / "sacct.txt", "w") as f:  # every job's elapsed and CPU time, beside the logs
+                subprocess.run(["sacct", "-a", "-P", "-S", "now-1days", "-o", "JobID,JobName,State,Elapsed,TotalCPU"],
+                               stdout=f, stderr=subprocess.STDOUT, timeout=60)
             stop()
 
 

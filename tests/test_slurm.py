@@ -98,7 +98,7 @@ def scontrol(*args: str) -> None:
     subprocess.run(["scontrol", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
-def test_a_sweep_is_one_array_a_failure_is_reported_and_a_rerun_runs_only_it(tmp_path):
+def test_a_sweep_is_one_array_a_failure_is_reported_and_a_rerun_runs_only_it(tmp_path, capsys):
     base = {**TOY, "train": {**TOY["train"], "steps": 2}, "eval": {"size": 4, "every": 2}}
     sweep = write_sweep(tmp_path, base, {**LAUNCHER, "max_parallel": 2, "wait": True},
                         grid={"method": ["dense", "logra"], "seed": [0]},
@@ -126,13 +126,15 @@ def test_a_sweep_is_one_array_a_failure_is_reported_and_a_rerun_runs_only_it(tmp
     assert len(spans) == 3 and all(sum(s <= t < e for s, e in spans) <= 2 for t, _ in spans)  # never 3 running
 
     finished = {n: (runs[n].run_dir / DONE).read_text() for n in ("dense-s0", "logra-s0")}
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert again.returncode == 1 and "3 runs (2 done, skipped; 1 to run)" in again.stdout, again.stdout[-3000:]
-    assert "summary: 1 failed, 2 skipped" in again.stdout
+    capsys.readouterr()
+    assert launch.main(cmd[3:]) == 1  # the same command again (in this process)
+    again = capsys.readouterr().out
+    assert "3 runs (2 done, skipped; 1 to run)" in again and "summary: 1 failed, 2 skipped" in again, again[-3000:]
     assert {n: (runs[n].run_dir / DONE).read_text() for n in finished} == finished  # not run again
 
-    analysis = subprocess.run([sys.executable, "-m", "analysis", str(root)], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert analysis.returncode == 0, analysis.stdout[-3000:] + analysis.stderr[-3000:]
+    from analysis.report import build
+
+    build(root, log=lambda line: None)  # python -m analysis <root>
     table = (root / "tables" / "accuracy.md").read_text()
     assert "| dense " in table and "| logra " in table
 
@@ -211,9 +213,8 @@ def test_a_job_that_dies_while_sacct_answers_nothing_ends_the_wait_with_an_error
 
 
 def test_the_paper_profiles_gpus_reach_the_job_as_cuda_visible_devices(tmp_path):
-    sweep = load_sweep("paper", root=str(tmp_path))
-    run = sweep.runs()[0]
-    launcher = {**sweep.launcher, "cpus_per_task": 1, "mem_gb": 1, "timeout_min": 5}  # the node's size; its GPU lines
+    launcher = {**load_sweep("paper").launcher, "cpus_per_task": 1, "mem_gb": 1, "timeout_min": 5}  # the node's size
+    run = load_sweep(write_sweep(tmp_path, TOY, launcher), str(tmp_path / "root")).runs()[0]
     assert "#SBATCH --gpus-per-node=8" in slurm.render_sbatch(run, launcher)
     from tests.launch_fakes import job_environment
 
