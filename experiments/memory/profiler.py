@@ -19,6 +19,7 @@ the peak with the op that made it (``python -m experiments.memory_table trace=1`
 
 from __future__ import annotations
 
+import time
 import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterable
@@ -89,8 +90,8 @@ class MemoryProfiler(TorchDispatchMode):
         return out
 
     def _split(self) -> dict[str, int]:
-        params = list(self.model.parameters())
-        cats = {"params": self._ids(params), "grads": self._ids(p.grad for p in params if p.grad is not None),
+        params = self._params  # fixed for the profile's life; their .grad and the optimizer state are read afresh
+        cats = {"params": self._param_ids, "grads": self._ids(p.grad for p in params if p.grad is not None),
                 "optimizer": self._ids(self.optimizer_state())}
         split = {k: 0 for k in ("params", "grads", "optimizer", "activations")}
         listed = []
@@ -109,7 +110,8 @@ class MemoryProfiler(TorchDispatchMode):
                 self._see(t)
 
     def __enter__(self):
-        params = list(self.model.parameters())
+        params = self._params = list(self.model.parameters())
+        self._param_ids = self._ids(params)
         self.register(params)
         self.register(p.grad for p in params if p.grad is not None)
         self.register(self.optimizer_state())
@@ -119,6 +121,9 @@ class MemoryProfiler(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.trace:
             self._op = str(getattr(func, "__name__", func))
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, no pytree walk
+            self._see(out)
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._see(t)
@@ -164,26 +169,51 @@ def optimizer_tensors(method, model) -> list[torch.Tensor]:
     masters = getattr(method, "master_weights", None)  # fp32 masters of a bf16 model (baselines/precision.py)
     if masters is not None:
         out += list(masters.master_of.values())
-    for m in model.modules():
-        state = getattr(m, "sketch_state", None)
-        if state is not None and torch.is_tensor(getattr(state, "sketch", None)):
+    for state in _sketch_states(model):
+        if torch.is_tensor(getattr(state, "sketch", None)):
             out.append(state.sketch)
     return out
 
 
+_SKETCH_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def _sketch_states(model) -> list:
+    """The modules' ``sketch_state`` objects (LoGRA's sketched layers), found once per model: the
+    profiler asks at every new peak, and a walk over every module each time cost seconds a step."""
+    try:
+        return _SKETCH_STATES[model]
+    except KeyError:
+        states = [s for m in model.modules() if (s := getattr(m, "sketch_state", None)) is not None]
+        _SKETCH_STATES[model] = states
+        return states
+    except TypeError:  # not weak-referenceable
+        return [s for m in model.modules() if (s := getattr(m, "sketch_state", None)) is not None]
+
+
 class StepProfiler:
-    """The trainer's handle (``log.memory_profile=true``): a fresh :class:`MemoryProfiler` per step,
-    phases named as in ``PHASES`` (a training step may open several ``step()`` blocks: they
-    merge); on CUDA a phase's peak is also the allocator's
-    (``max_memory_allocated``, reset at the phase's start). ``record()`` gives the step's
-    ``mem/*`` keys; each step is appended to ``<run_dir>/memory_profile.jsonl``. Disabled, every
-    call is a no-op (the default: the accounting slows a step)."""
+    """The trainer's handle on a step's phases. With ``log.memory_profile=true``: a fresh
+    :class:`MemoryProfiler` per step, phases named as in ``PHASES`` (a training step may open several
+    ``step()`` blocks: they merge); on CUDA a phase's peak is also the allocator's
+    (``max_memory_allocated``, reset at the phase's start). Disabled, the memory side is a no-op
+    (the default: the accounting slows a step).
+
+    Always, whether profiling memory or not, the phases in :data:`TIMED` are timed (wall clock; on
+    CUDA with a device synchronisation at each edge, as ``experiments.time_table`` does): the runs'
+    own phase timers, so a sweep shows a step's time by phase without a second pass
+    (``analysis.steptime``). ``optimizer`` excludes the ``kl_predict`` phase nested in it; the
+    rollout and sync phases are the trainer's own ``time/rollout_s`` and ``time/sync_s``.
+    ``record()`` gives the step's ``mem/*`` and ``time/<phase>_s`` keys; the ``mem/*`` ones are
+    also appended to ``<run_dir>/memory_profile.jsonl``."""
+
+    TIMED = ("old_logprobs", "fwd_bwd", "optimizer", "kl_predict")
 
     def __init__(self, enabled: bool, model, state: Callable[[], Iterable[torch.Tensor]], device, path=None):
         self.enabled, self.model, self.state, self.device, self.path = enabled, model, state, device, path
         self.prof: MemoryProfiler | None = None
         self.cuda_peaks: dict[str, int] = {}
         self.last: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}
 
     @contextmanager
     def step(self, index: int = 0):
@@ -203,8 +233,24 @@ class StepProfiler:
         self.index = index
         self.prof = None
 
+    def _clock(self) -> float:
+        if getattr(self.device, "type", "cpu") == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     @contextmanager
     def phase(self, name: str):
+        timed = name in self.TIMED
+        t0 = self._clock() if timed else 0.0
+        try:
+            with self._memory_phase(name):
+                yield
+        finally:
+            if timed:
+                self.seconds[name] = self.seconds.get(name, 0.0) + self._clock() - t0
+
+    @contextmanager
+    def _memory_phase(self, name: str):
         if self.prof is None:
             yield
             return
@@ -217,11 +263,14 @@ class StepProfiler:
             self.cuda_peaks[name] = max(self.cuda_peaks.get(name, 0), torch.cuda.max_memory_allocated(self.device))
 
     def record(self) -> dict[str, float]:
-        """The step's ``mem/*`` keys (appended to the profile file), then reset for the next step."""
+        """The step's ``mem/*`` keys (appended to the profile file) and phase times, then reset for the next step."""
         out, self.last = self.last, {}
         if out and self.path is not None:
             import json
 
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": getattr(self, "index", 0), **out}) + "\n")
-        return out
+        seconds, self.seconds = self.seconds, {}
+        if "optimizer" in seconds:
+            seconds["optimizer"] -= seconds.get("kl_predict", 0.0)
+        return {**out, **{f"time/{name}_s": value for name, value in seconds.items()}}
