@@ -8,10 +8,11 @@
 - accuracy — per task × method variant (``analysis.accuracy``): held-out greedy pass@1 at the
   first and the last evaluation, mean over seeds, and Δ = this − reference in percentage points;
 - memory — per model × method, the one-step peak of ``<root>/memory/memory.csv``
-  (``analysis.memory.step_table``) in MiB and × dense, and ratio = this / reference;
-  without memory.csv in either root, the runs' own largest ``mem/peak_bytes``;
+  (``analysis.memory.step_table``) in MiB and × dense, and ratio = this / reference, when both
+  roots have it; else the runs' own largest step peak (``analysis.memory.runs_table``: the
+  profiler's live tensors where the runs ran it, ``log.memory_profile=true``; else ``mem/peak_bytes``);
 - time — per task × method variant, the median ``time/step_s`` over the steps of the runs (mean
-  over seeds), ratio = this / reference; and, when either root has it, ``<root>/time/time.csv``
+  over seeds) and × dense, ratio = this / reference; and, when either root has it, ``<root>/time/time.csv``
   (``python -m experiments.time_table out=<root>/time``: per method, the whole step's median seconds
   and × dense, as this / reference).
 
@@ -25,10 +26,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import accuracy, memory
+from analysis import accuracy, memory, steptime
 from analysis.cli import root_cli
 from analysis.load import load_memory_csv, load_runs
-from analysis.render import GROUP, Absent, Table, fmt, fmt_g
+from analysis.render import GROUP, Absent, Table, dense_reference, fmt, fmt_g
 
 TIME_CSV = Path("time") / "time.csv"  # python -m experiments.time_table out=<root>/time
 TIME_HEADLINE = ["median_s", "x_dense"]  # the time table's columns worth a comparison, when it has them
@@ -94,19 +95,32 @@ def _run_memory(runs: pd.DataFrame) -> pd.DataFrame | None:
         data = memory.runs_table(runs).data
     except Absent:
         return None
-    return data[GROUP + ["peak_bytes", "ratio"]]
+    return data[GROUP + ["peak_bytes", "ratio", "profiled"]]
+
+
+def _run_source(frame: pd.DataFrame | None) -> str:
+    if frame is None:
+        return "none"
+    return ("live tensors at the step's peak (the runs' profiler, log.memory_profile=true)" if frame["profiled"].all()
+            else "mem/peak_bytes (CUDA: allocator; CPU: process peak RSS)")
 
 
 def memory_table(this_root: Path, ref_root: Path, this_runs: pd.DataFrame, ref_runs: pd.DataFrame) -> Table:
-    """One-step peak (memory.csv) of both roots, or the runs' peaks when neither has memory.csv."""
+    """One-step peak (memory.csv) of both roots when both have it, else the runs' own step peaks."""
     a, b = _step_memory(load_memory_csv(this_root)), _step_memory(load_memory_csv(ref_root))
-    if a is not None or b is not None:
-        keys, source = ["model", "method"], "one GRPO step per method in a fresh process (<root>/memory/memory.csv)"
-    else:
-        a, b = _run_memory(this_runs), _run_memory(ref_runs)
-        keys, source = GROUP, "the training runs' largest mem/peak_bytes, mean over seeds"
+    ra, rb = _run_memory(this_runs), _run_memory(ref_runs)
+    notes = []
+    if (a is not None and b is not None) or (ra is None and rb is None):
         if a is None and b is None:
             raise Absent("no memory.csv and no run logged mem/peak_bytes in either root")
+        keys, notes = ["model", "method"], ["one GRPO step per method in a fresh process (<root>/memory/memory.csv)"]
+    else:
+        a, b = ra, rb
+        keys = GROUP
+        this_src, ref_src = _run_source(a), _run_source(b)
+        notes = [f"the training runs' largest step peak, mean over seeds: {this_src}"
+                 + ("" if ref_src in (this_src, "none") else f" (the reference: {ref_src}: not the same measurement)")]
+        a, b = (f.drop(columns="profiled") if f is not None else None for f in (a, b))
     data = _side_by_side(a, b, keys)
     data["this_over_ref"] = data["peak_bytes_this"] / data["peak_bytes_ref"]
     mib = lambda v: f"{v / 2**20:,.1f}" if pd.notna(v) else "—"  # noqa: E731
@@ -117,7 +131,7 @@ def memory_table(this_root: Path, ref_root: Path, this_runs: pd.DataFrame, ref_r
     shown["× dense this"] = [fmt(v, 2) for v in data["ratio_this"]]
     shown["× dense ref"] = [fmt(v, 2) for v in data["ratio_ref"]]
     shown["this / ref"] = [fmt(v, 3) for v in data["this_over_ref"]]
-    return Table("compare_memory", "Peak memory: this run vs the reference", data, shown, [source])
+    return Table("compare_memory", "Peak memory: this run vs the reference", data, shown, notes)
 
 
 def _step_time(runs: pd.DataFrame) -> pd.DataFrame | None:
@@ -126,11 +140,16 @@ def _step_time(runs: pd.DataFrame) -> pd.DataFrame | None:
     per_run = runs.dropna(subset=["time/step_s"]).groupby("run").agg(
         task_label=("task_label", "first"), variant=("variant", "first"), step_s=("time/step_s", "median"))
     g = per_run.groupby(GROUP)
-    return pd.DataFrame({"step_s": g["step_s"].mean()}).reset_index()
+    out = pd.DataFrame({"step_s": g["step_s"].mean()}).reset_index()
+    dense = {task: out[(out["task_label"] == task) & (out["variant"] == v)]["step_s"]
+             for task, v in dense_reference(runs).items()}
+    out["x_dense"] = [s / dense[t].iloc[0] if t in dense and len(dense[t]) else float("nan")
+                      for t, s in zip(out["task_label"], out["step_s"])]
+    return out
 
 
 def time_table(this_runs: pd.DataFrame, ref_runs: pd.DataFrame) -> Table:
-    """Median seconds per GRPO step of both roots per task × variant."""
+    """Median seconds per GRPO step of both roots per task × variant, and × dense."""
     a, b = _step_time(this_runs), _step_time(ref_runs)
     if a is None and b is None:
         raise Absent("no run in either root logged time/step_s")
@@ -139,8 +158,11 @@ def time_table(this_runs: pd.DataFrame, ref_runs: pd.DataFrame) -> Table:
     shown = pd.DataFrame({"task": data["task_label"], "method": data["variant"],
                           "s/step this": [fmt(v, 1) for v in data["step_s_this"]],
                           "s/step ref": [fmt(v, 1) for v in data["step_s_ref"]],
-                          "this / ref": [fmt(v, 2) for v in data["this_over_ref"]]})
-    notes = ["median time/step_s over a run's steps, mean over seeds; seconds depend on the machine and its load"]
+                          "this / ref": [fmt(v, 2) for v in data["this_over_ref"]],
+                          "× dense this": [fmt(v, 2) for v in data["x_dense_this"]],
+                          "× dense ref": [fmt(v, 2) for v in data["x_dense_ref"]]})
+    notes = ["median time/step_s over a run's steps, mean over seeds; seconds depend on the machine and its load"
+             + (f"; this run's step by phase: <root>/{steptime.TIME_RUNS_MD}" if "time/fwd_bwd_s" in this_runs else "")]
     return Table("compare_time", "Seconds per training step: this run vs the reference", data, shown, notes)
 
 

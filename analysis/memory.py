@@ -6,10 +6,13 @@ Two sources, each its own table:
 - ``memory_step`` — ``<root>/memory/memory.csv`` from ``python -m experiments.memory_table``: one
   GRPO step of each method in a fresh process on the same fixed batch (per model), with the
   planner's prediction beside the measurement.
-- ``memory_runs`` — the training runs' own ``mem/*`` metrics: per run the largest
-  ``mem/peak_bytes`` over its steps and, at that step, ``mem/{params,grads,optimizer,activations}_bytes``
-  where the run logged them; also the mean over steps of ``mem/peak_bytes`` (the "average training
-  memory"). Mean over seeds per task × method variant.
+- ``memory_runs`` — the training runs' own ``mem/*`` metrics: per run the largest step peak and, at
+  that step, ``mem/{params,grads,optimizer,activations}_bytes`` where the run logged them; also the
+  mean over steps of the step peak (the "average training memory"). The step peak is the runs'
+  tensor-accounting profiler's ``mem/tensor_peak_bytes`` where they ran it (``log.memory_profile=true``:
+  the measurement of ``experiments.memory_table``, on each run's own batches; its categories sum to
+  it), else ``mem/peak_bytes`` (CUDA: the allocator's peak; CPU: the process's peak RSS, generation
+  and evaluation included). Mean over seeds per task × method variant.
 
 Reduction vs dense = 1 − peak / peak(dense); with several dense variants on a task the reference
 is the one the accuracy table compares with (``render.dense_reference``).
@@ -78,15 +81,30 @@ def step_table(memory: pd.DataFrame | None) -> Table:
     return Table("memory_step", "Peak memory of one training step, by category", data, shown, notes)
 
 
+TENSOR_PEAK = "mem/tensor_peak_bytes"  # the runs' profiler (log.memory_profile=true)
+
+
+def step_peaks(runs: pd.DataFrame) -> pd.Series:
+    """Each step's peak: the profiler's live-tensor peak where a run logged it, else ``mem/peak_bytes``."""
+    peak = runs["mem/peak_bytes"] if "mem/peak_bytes" in runs else pd.Series(math.nan, index=runs.index)
+    if TENSOR_PEAK in runs:
+        profiled = runs.groupby("run")[TENSOR_PEAK].transform(lambda v: v.notna().any())
+        peak = peak.where(~profiled.astype(bool), runs[TENSOR_PEAK])
+    return peak
+
+
 def per_run_memory(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per run: the peak over steps, the category split at that step, and the mean step peak."""
-    if "mem/peak_bytes" not in runs or runs["mem/peak_bytes"].dropna().empty:
+    """Per run: the peak over steps, the category split at that step, the mean step peak, and whether
+    the peak is the profiler's live tensors (``profiled``) or mem/peak_bytes."""
+    peaks = step_peaks(runs) if len(runs) else pd.Series(dtype=float)
+    if peaks.dropna().empty:
         raise Absent("no run logged mem/peak_bytes")
-    steps = runs.dropna(subset=["mem/peak_bytes"])
-    at_peak = steps.loc[steps.groupby("run")["mem/peak_bytes"].idxmax()].set_index("run")
+    steps = runs.assign(_peak=peaks).dropna(subset=["_peak"])
+    at_peak = steps.loc[steps.groupby("run")["_peak"].idxmax()].set_index("run")
     out = at_peak[GROUP + ["method", "seed"]].copy()
-    out["peak_bytes"] = at_peak["mem/peak_bytes"]
-    out["mean_peak_bytes"] = steps.groupby("run")["mem/peak_bytes"].mean()
+    out["peak_bytes"] = at_peak["_peak"]
+    out["mean_peak_bytes"] = steps.groupby("run")["_peak"].mean()
+    out["profiled"] = at_peak[TENSOR_PEAK].notna() if TENSOR_PEAK in at_peak else False
     for c in CATEGORIES:
         key = f"mem/{c}_bytes"
         out[f"{c}_bytes"] = at_peak[key] if key in at_peak else math.nan
@@ -98,6 +116,7 @@ def runs_table(runs: pd.DataFrame) -> Table:
     per = per_run_memory(runs)
     g = per.groupby(GROUP, sort=True)
     data = g[["peak_bytes", "mean_peak_bytes"] + [f"{c}_bytes" for c in CATEGORIES]].mean()
+    data["profiled"] = g["profiled"].all()
     data.insert(0, "seeds", g.size())
     data.insert(0, "method", g["method"].first())
     data["peak_std"] = g["peak_bytes"].std()
@@ -114,8 +133,14 @@ def runs_table(runs: pd.DataFrame) -> Table:
     shown[f"mean step peak ({unit[0]})"] = _bytes(data["mean_peak_bytes"], unit)
     shown["× dense"] = [fmt(r, 2) for r in data["ratio"]]
     shown["reduction vs dense"] = [f"{100 * r:.1f} %" if pd.notna(r) else "—" for r in data["reduction"]]
-    notes = ["peak = the largest mem/peak_bytes over a run's steps (CUDA: allocator peak; CPU: process peak RSS), "
-             "split at that step where logged; mean step peak = its mean over the steps", seed_note(data, std=False)]
+    profiled = bool(data["profiled"].all())
+    notes = [("peak = the largest live-tensor peak of a run's steps (tensor-accounting profiler, log.memory_profile=true: "
+              "the measurement of experiments.memory_table, on each run's own batches), split at that step"
+              if profiled else
+              "peak = the largest mem/peak_bytes over a run's steps (CUDA: allocator peak; CPU: process peak RSS), "
+              "split at that step where logged") + "; mean step peak = its mean over the steps", seed_note(data, std=False)]
+    if data["profiled"].any() and not profiled:
+        notes.append("profiled (live tensors): " + ", ".join(data.loc[data["profiled"], "variant"]) + "; the others: mem/peak_bytes")
     if not has_split.any():
         notes.append("no run logged the category split (mem/params_bytes, ...)")
     if ref:
@@ -143,7 +168,8 @@ def figure(memory: pd.DataFrame | None, runs: pd.DataFrame):
             n = sorted(set(rows["seeds"]))
             seeds = "" if n == [1] else f" (mean over {n[0]} seeds)" if len(n) == 1 else f" (mean over {n[0]}–{n[-1]} seeds per bar)"
             split = rows[[f"{c}_bytes" for c in CATEGORIES]].notna().any(axis=None)
-            what = ("largest mem/peak_bytes over the steps" if split else
+            what = ("largest live-tensor peak of a step (the runs' profiler)" if rows["profiled"].all() else
+                    "largest mem/peak_bytes over the steps" if split else
                     "largest mem/peak_bytes over the steps\n(on CPU the process's peak RSS: generation and evaluation included)")
             panels.append((f"training runs on {task}: {what}{seeds}",
                            "variant", rows))

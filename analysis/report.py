@@ -32,6 +32,7 @@ TABLES: dict[str, Callable[[Results], Table]] = {
     "memory_step": lambda r: memory.step_table(r.memory),
     "memory_runs": lambda r: memory.runs_table(r.runs),
     "time_step": lambda r: steptime.step_table(steptime.load_time_csv(r.root)),
+    "time_runs": lambda r: steptime.runs_table(r.runs),
     "accuracy": lambda r: accuracy.table(r.runs),
     "accuracy_intervals": lambda r: intervals.table(r.runs),
     "lr_sweep": lambda r: lr_sweep.table(r.runs),

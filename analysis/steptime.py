@@ -1,5 +1,13 @@
-"""The step-time table: one GRPO step per method by phase (``<root>/time/time.csv``, written by
-``python -m experiments.time_table``), median seconds per phase and the whole step, × dense.
+"""Step-time tables: a GRPO step's seconds by phase, median per method, × dense.
+
+- ``time_step`` — ``<root>/time/time.csv`` (``python -m experiments.time_table``): one step per
+  method on a fixed batch, methods interleaved in one process, every completion full length;
+  the careful measurement (the cpu profile, results/time_table).
+- ``time_runs`` — the training runs' own phase timers (``time/rollout_s``, ``time/fwd_bwd_s``,
+  ``time/optimizer_s``, ``time/kl_predict_s``, ``time/sync_s``, ``time/step_s``): per run the median
+  over its steps, mean over seeds per task × method variant. No second pass over the work, but the
+  methods ran one after another on their own samples (a policy's answer lengths set its rollout
+  time), so it is a first look, not ``time_step``'s comparison.
 
 A phase a method does not run is 0 s and its × dense "—" where dense does not run it either.
 """
@@ -10,10 +18,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.render import Absent, Table, fmt
+from analysis.render import GROUP, Absent, Table, dense_reference, fmt
 
 TIME_CSV = "time/time.csv"
+TIME_RUNS_MD = "tables/time_runs.md"  # where python -m analysis writes runs_table
 PHASES = ["rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync", "step"]
+RUN_PHASES = {"rollout": "time/rollout_s", "reward": "time/reward_s", "old_logprobs": "time/old_logprobs_s",
+              "fwd_bwd": "time/fwd_bwd_s", "optimizer": "time/optimizer_s", "kl_predict": "time/kl_predict_s",
+              "sync": "time/sync_s", "step": "time/step_s"}  # the runs' keys (experiments/rl/metrics.py)
 
 
 def load_time_csv(root: str | Path) -> pd.DataFrame | None:
@@ -62,3 +74,46 @@ def step_table(time: pd.DataFrame | None) -> Table:
         if col in time:
             notes.append(f"{col} " + ", ".join(sorted({str(s)[:12] for s in time[col].dropna()})))
     return Table("time_step", "Time of one training step, by phase", data, shown, notes)
+
+
+def per_run_times(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per task × variant: each phase's median seconds over a run's steps, mean over seeds (a phase
+    the run did not time is 0), the seeds, and the steps per run."""
+    have = {p: k for p, k in RUN_PHASES.items() if k in runs}
+    if "step" not in have or runs["time/step_s"].dropna().empty or "fwd_bwd" not in have:
+        raise Absent("no run logged its phase times (time/step_s, time/fwd_bwd_s)")
+    steps = runs.dropna(subset=["time/step_s"])
+    per_run = steps.groupby("run")[[have[p] for p in have]].median().fillna(0.0)
+    per_run.columns = list(have)
+    per_run = per_run.join(steps.groupby("run")[GROUP].first()).join(steps.groupby("run").size().rename("steps"))
+    g = per_run.groupby(GROUP, sort=True)
+    data = g[list(have)].mean()
+    data.insert(0, "seeds", g.size())
+    data.insert(1, "steps", g["steps"].min())
+    return data.reset_index()
+
+
+def runs_table(runs: pd.DataFrame) -> Table:
+    """The runs' own phase timers: median seconds per phase, the step × dense, and the KL prediction's share."""
+    data = per_run_times(runs)
+    phases = [p for p in RUN_PHASES if p in data.columns]
+    ref = dense_reference(runs)
+    dense = {task: data[(data["task_label"] == task) & (data["variant"] == v)].iloc[0] for task, v in ref.items()
+             if ((data["task_label"] == task) & (data["variant"] == v)).any()}
+    data["x_dense"] = [row["step"] / dense[row["task_label"]]["step"] if row["task_label"] in dense else float("nan")
+                       for _, row in data.iterrows()]
+    train = lambda row: row.get("fwd_bwd", 0.0) + row.get("optimizer", 0.0)  # noqa: E731
+    data["train_x_dense"] = [train(row) / train(dense[row["task_label"]]) if row["task_label"] in dense else float("nan")
+                             for _, row in data.iterrows()]
+    shown = pd.DataFrame({"task": data["task_label"], "method": data["variant"], "steps": data["steps"]})
+    for p in phases:
+        shown[f"{p} (s)"] = [fmt(v, 2) for v in data[p]]
+    shown["step × dense"] = [fmt(v, 2) for v in data["x_dense"]]
+    shown["fwd_bwd+optimizer × dense"] = [fmt(v, 2) for v in data["train_x_dense"]]
+    if "kl_predict" in data:
+        shown["kl_predict / step"] = [f"{100 * k / t:.1f} %" for k, t in zip(data["kl_predict"], data["step"])]
+    notes = ["the training runs' own phase timers: median over a run's steps, mean over seeds; step = rollout + "
+             "reward + the update (fwd_bwd, optimizer, kl_predict, sync); methods ran one after another on their own "
+             "samples (answer lengths set the rollout time): a first look — python -m experiments.time_table "
+             "(tables/time_step) times them interleaved on a fixed batch"]
+    return Table("time_runs", "Time of a training step by phase, from the runs", data, shown, notes)
