@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install (first call only), train a profile into runs/<profile>/, analyse it, compare it with the
 # committed reference results/<profile>/.
-#   ./run_all.sh                                  # quick profile: every method a few steps on CPU + memory table (minutes)
+#   ./run_all.sh                                  # quick profile: every method a few steps on CPU, memory and time by phase (minutes)
 #   ./run_all.sh --profile cpu                    # the CPU reproduction (hours; rerun to resume after a stop)
+#   ./run_all.sh --profile tiny                   # the same paths on tiny-llama in about a minute (tests/test_run_all.py)
 #   ./run_all.sh --profile paper --launcher slurm launcher.partition=gpu launcher.account=me
 #   ./run_all.sh --profile paper --dry-run        # list the paper jobs and their planned memory per GPU
 #   ./run_all.sh --profile cpu --publish [--partial]   # maintainers: copy the finished runs/cpu into results/cpu
@@ -20,11 +21,13 @@ while [ $# -gt 0 ]; do
     --launcher=*) launcher="${1#*=}"; shift ;;
     --dry-run|-n) dry_run=1; shift ;;
     --publish) publish=1; shift ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) rest+=("$1"); shift ;;
   esac
 done
-case "$profile" in quick|cpu|paper) ;; *) echo "unknown profile '$profile' (quick | cpu | paper)" >&2; exit 2 ;; esac
+if [ ! -f "experiments/sweeps/$profile.yaml" ]; then  # quick | cpu | paper, or any other sweep there (tiny: the tests')
+  echo "unknown profile '$profile' (quick | cpu | paper; the sweeps are experiments/sweeps/*.yaml)" >&2; exit 2
+fi
 root="runs/$profile" reference="results/$profile"
 for a in ${rest[@]+"${rest[@]}"}; do case "$a" in root=*) root="${a#root=}" ;; esac; done
 if [ "$profile" = paper ] && [ "$launcher" != slurm ] && [ "$dry_run" = 0 ] && [ "$publish" = 0 ]; then
@@ -58,5 +61,7 @@ echo
 python -m analysis.compare "$root" "$reference" || status=$?
 if [ -f "$root/tables/time_step.md" ]; then  # python -m experiments.time_table, rendered by the analysis step
   echo; echo "time table by phase ($root/tables/time_step.md; figure $root/time/time.png):"; cat "$root/tables/time_step.md"
+elif [ -f "$root/tables/time_runs.md" ]; then  # the runs' own phase timers (the quick profile)
+  echo; echo "step time by phase, from the runs ($root/tables/time_runs.md):"; cat "$root/tables/time_runs.md"
 fi
 exit $status
