@@ -49,6 +49,15 @@ def peak(method, step, seed):
     return PEAK[method] + step * 2**20 * (1 + seed)  # grows with the step: the peak is at the last step
 
 
+def phase_times(method, step, seed):
+    """Seconds per phase as the runs' timers log them; the step is their sum (+ 0.05 s of reward)."""
+    t = {"rollout": 1.0 + 0.1 * seed + 0.01 * step, "fwd_bwd": 2.0 if method == "dense" else 1.5,
+         "optimizer": 0.5 if method == "dense" else 0.2, "sync": 0.1, "reward": 0.05}
+    if method == "logra":
+        t["kl_predict"] = 0.3
+    return {**t, "step": sum(t.values())}
+
+
 def predicted(step, seed):
     return 0.004 * step + 0.001 * seed  # steps 3, 4 exceed κ and get shrunk
 
@@ -73,6 +82,7 @@ def write_run(root: Path, name: str, method: str, task: str, seed: int, lr: floa
             row |= {"mem/params_bytes": 0.25 * p, "mem/grads_bytes": (0.25 if method == "dense" else 0.0) * p,
                     "mem/optimizer_bytes": (0.5 if method == "dense" else 0.05) * p,
                     "mem/activations_bytes": (0.0 if method == "dense" else 0.7) * p}
+        row |= {f"time/{k}_s": v for k, v in phase_times(method, s, seed).items()}
         if engine != "shared":
             row |= {"sync/full_bytes": float(FULL), "sync/resyncs": float(s == 2 and method == "logra"),
                     "sync/bytes": float(FULL if method == "dense" or s == 2 else FULL // 10)}
@@ -227,6 +237,40 @@ def test_memory_tables_match_fixture(root, runs):
     assert "mean reduction over tasks: " in t.markdown()
 
 
+def test_memory_runs_take_the_profilers_peak_where_the_runs_ran_it(tmp_path):
+    """With log.memory_profile the step peak is the live-tensor peak (its categories sum to it), not the RSS."""
+    for method in ("dense", "logra"):
+        run = write_run(tmp_path, method, method, "arith", 0)
+        rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+        for r in rows[1:]:
+            if method == "logra":
+                r["mem/tensor_peak_bytes"] = 0.5 * r["mem/peak_bytes"]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = memory.runs_table(load_runs(tmp_path))
+    logra, dense = row(t.data, variant="logra"), row(t.data, variant="dense")
+    assert logra["peak_bytes"] == 0.5 * peak("logra", STEPS, 0) and bool(logra["profiled"])
+    assert dense["peak_bytes"] == peak("dense", STEPS, 0) and not dense["profiled"]
+    assert any("profiled (live tensors): logra; the others: mem/peak_bytes" in n for n in t.notes)
+
+
+def test_time_runs_table_matches_fixture(runs):
+    from analysis import steptime
+
+    t = steptime.runs_table(runs)
+    for task in ("arith", "gsm8k"):
+        dense_variant = "dense lr=1e-05"  # the accuracy table's dense reference
+        per_seed = lambda method, phase: statistics.mean(  # noqa: E731  median over steps, mean over seeds
+            statistics.median(phase_times(method, st, s)[phase] for st in range(1, STEPS + 1)) for s in SEEDS)
+        for method, variant in (("logra", "logra"), ("lora", "lora"), ("dense", dense_variant)):
+            r = row(t.data, task_label=task, variant=variant)
+            for phase in ("rollout", "fwd_bwd", "optimizer", "sync", "step"):
+                assert r[phase] == pytest.approx(per_seed(method, phase)), (task, variant, phase)
+            assert r["kl_predict"] == pytest.approx(0.3 if method == "logra" else 0.0)
+            assert r["x_dense"] == pytest.approx(per_seed(method, "step") / per_seed("dense", "step"))
+            assert r["train_x_dense"] == pytest.approx((2.5 if method == "dense" else 1.5 + 0.2) / 2.5)  # fwd_bwd + optimizer
+    assert "| arith | logra | 4 |" in t.markdown()
+
+
 def test_sync_table_matches_fixture(runs):
     t = sync.table(runs)
     assert set(t.data["variant"]) == {"dense lr=1e-05", "dense lr=5e-06", "logra"}  # lora used the shared engine
@@ -259,8 +303,8 @@ def test_cli_writes_every_table_and_figure(root, tmp_path, capsys):
     out = tmp_path / "out"
     assert main([str(root), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    tables = {"memory_step", "memory_runs", "time_step", "accuracy", "accuracy_intervals", "lr_sweep", "sync", "kl",
-              "claims"}  # lr_sweep: dense ran at two rates on arith
+    tables = {"memory_step", "memory_runs", "time_step", "time_runs", "accuracy", "accuracy_intervals", "lr_sweep", "sync",
+              "kl", "claims"}  # lr_sweep: dense ran at two rates on arith
     figures = {"memory", "memory_accuracy", "lr_sweep", "curves", "kl_scatter", "scale_trace", "sync_bytes"}
     assert {p.stem for p in (out / "tables").glob("*.md")} == tables | {"summary"}
     assert {p.stem for p in (out / "tables").glob("*.tex")} == tables
@@ -374,6 +418,11 @@ def test_a_real_tiny_run_reads_back_exactly(tmp_path):
     assert k["realized_median"] == pytest.approx(statistics.median(r["kl/realized"] for r in trained))
     m = row(memory.runs_table(runs).data, variant="logra")
     assert m["peak_bytes"] == max(r["mem/peak_bytes"] for r in trained)
+    from analysis import steptime
+
+    t = row(steptime.runs_table(runs).data, variant="logra")  # the runs' own phase timers
+    for phase in ("fwd_bwd", "optimizer", "kl_predict", "step"):
+        assert t[phase] == pytest.approx(statistics.median(r[f"time/{phase}_s"] for r in trained)) and t[phase] > 0, phase
 
 
 def test_labels_keep_models_apart_and_ignore_seeds(tmp_path):
