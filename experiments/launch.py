@@ -8,7 +8,7 @@ Examples:
     python -m experiments.launch sweep=my_sweep.yaml root=/scratch/me/results train.steps=5
 
 Arguments: ``sweep=`` (required), ``launcher=<name>``, ``launcher.<key>=<value>`` (max_parallel,
-partition, account, gpus_per_node, cpus_per_task, nodes, timeout_min, mem_gb, wait, ...),
+partition, account, gpus_per_node, cpus_per_task, nodes, timeout_min, mem_gb, wait, poll_s, lost_after_s, ...),
 ``root=<dir>`` (default runs/<sweep name>, git-ignored; ``python -m experiments.publish`` copies a
 finished root into results/<sweep name>), ``--dry-run``, ``--memory`` (the planner's prediction in the
 dry run); any other ``key=value`` is a run-config key (``python -m experiments.train --help``), an

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 from unittest import mock
@@ -71,15 +71,10 @@ def _pretend_slurm():
 
 def slurm_executor(folder: Path, name: str, launcher: dict, render_only: bool = False) -> submitit.AutoExecutor:
     timeouts = int(launcher.get("max_num_timeout", 3))
-    with _pretend_slurm() if render_only else _nothing():
+    with _pretend_slurm() if render_only else nullcontext():
         ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=timeouts)
     ex.update_parameters(**slurm_parameters(name, launcher))
     return ex
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def array_folder(run) -> Path:
@@ -169,9 +164,12 @@ def wait(jobs: list[tuple], poll_s: float = 5.0, lost_after_s: float = 60.0, bar
 def run_slurm(runs: list, launcher: dict, train_fn=None) -> list:
     """Submit every run not already queued or running as one array; with ``launcher.wait`` block and collect."""
     outcomes, todo = [], []
+    known = {run.run_dir: job_of(run) for run in runs}  # every recorded task registered first: one sacct call for all
+    if any(known.values()):
+        submitit.SlurmJob.watcher.update()
     for run in runs:
-        job = job_of(run)
-        state = state_of(job) if job is not None else None
+        job = known[run.run_dir]
+        state = state_of(job, mode="cache") if job is not None else None
         if state in ACTIVE:
             out = Outcome(run, "running", detail=f"job {job.job_id} already {state}")
             print_line(tqdm, out)
