@@ -443,3 +443,35 @@ def test_a_config_saved_before_a_default_changed_keeps_what_it_ran_with():
         run_key(build_config(["method=logra"]))
     assert run_key(build_config(["method=dense", "step_control.enabled=true", "step_control.target_kl=0.02"])) != \
         run_key(build_config(["method=dense", "step_control.enabled=true"]))
+
+
+@pytest.mark.integration  # a subprocess
+def test_a_signal_to_the_job_reaches_torchruns_ranks_as_sigusr1(tmp_path):
+    """experiments/launcher/torchrun.py: the child starts with SIGUSR1/SIGUSR2 ignored (a signal to the whole
+    process group, as SLURM sends, does not kill it), and the job's own signal is passed on as SIGUSR1 —
+    again while the child runs, so a rank that listens only later still gets it."""
+    import os
+    import sys
+    import threading
+    import time
+
+    from experiments.launcher import torchrun
+
+    marker = tmp_path / "told"
+    child = (f"import os, pathlib, signal, sys, time\n"
+             f"os.killpg(0, signal.SIGUSR2)\n"  # the scheduler signals every process of the step: ignored
+             f"time.sleep(3.0)\n"  # not listening yet: the first forwarded SIGUSR1 is ignored too
+             f"def told(s, f):\n"
+             f"    pathlib.Path({str(marker)!r}).write_text('SIGUSR1')\n"
+             f"    sys.exit(143)\n"
+             f"signal.signal(signal.SIGUSR1, told)\n"
+             f"time.sleep(60)\n")
+    old = torchrun.REFORWARD_S
+    torchrun.REFORWARD_S = 0.5
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGUSR2)).start()  # submitit's signal to the job
+    try:
+        t0 = time.time()
+        rc, told = torchrun.run([sys.executable, "-c", child], listen=signal.SIGUSR2)
+    finally:
+        torchrun.REFORWARD_S = old
+    assert (rc, told) == (143, True) and marker.read_text() == "SIGUSR1" and time.time() - t0 < 30

@@ -66,25 +66,29 @@ def run(cmd: list[str], listen: Optional[signal.Signals] = None) -> tuple[int, b
     if listen is None:
         return subprocess.run(cmd).returncode, False
     told: list[float] = []
-    proc = subprocess.Popen(cmd, preexec_fn=_ignore_user_signals, start_new_session=True)
+    group: list[int] = []  # torchrun's process group, once started
 
     def forward(signum, frame):
         if not told:
             print(f"[launch] {signal.Signals(signum).name}: the ranks checkpoint at the end of their step", flush=True)
         told.append(time.time())
-        _signal_group(proc.pid)
+        if group:
+            _signal_group(group[0])
 
-    old = signal.signal(listen, forward)
+    old = signal.signal(listen, forward)  # before the start: a signal in between is not lost
     try:
-        while proc.poll() is None:
-            time.sleep(0.2)
-            if told and time.time() - told[-1] > REFORWARD_S:
-                told.append(time.time())
-                _signal_group(proc.pid)
-    except BaseException:
-        _signal_group(proc.pid, signal.SIGTERM)
-        proc.wait()
-        raise
+        proc = subprocess.Popen(cmd, preexec_fn=_ignore_user_signals, start_new_session=True)
+        group.append(proc.pid)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+                if told and time.time() - told[-1] > REFORWARD_S:
+                    told.append(time.time())
+                    _signal_group(proc.pid)
+        except BaseException:
+            _signal_group(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
     finally:
         signal.signal(listen, old)
     return proc.returncode, bool(told)
