@@ -82,7 +82,7 @@ def slurm_cluster(tmp_path_factory):
             yield where
         finally:
             with open(where / "log" / "sacct.txt", "w") as f:  # every job's elapsed and CPU time, beside the logs
-                subprocess.run(["sacct", "-a", "-P", "-S", "now-1days", "-o", "JobID,JobName,State,Elapsed,TotalCPU"],
+                subprocess.run(["sacct", "-a", "-D", "-P", "-S", "now-1days", "-o", "JobID,JobName,State,Elapsed,TotalCPU"],
                                stdout=f, stderr=subprocess.STDOUT, timeout=60)
             stop()
 
