@@ -83,7 +83,7 @@ class GRPOTrainer:
         c = self.cfg
         self.run_dir = Path(c.out_dir)
         self.directory = RunDirectory(self.run_dir, cfg)  # config, meta, samples, skips, checkpoints
-        self.dist = build_strategy(c, METHODS[c.method])  # one process: the identity (experiments/rl/distributed.py)
+        self.dist = build_strategy(c, METHODS[c.method])  # one process: the identity (experiments/rl/distributed/)
         if self.dist.is_main:
             self.directory.check()  # refuse to overwrite a run, or to resume one with another config
         if c.threads > 0:
