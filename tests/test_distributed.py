@@ -73,6 +73,8 @@ def runs(tmp_path_factory):
         # step control on and binding (scale < 1), the chunked LM head, an engine copy per rank
         "logra_fsdp2": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "rollout.engine=hf"],
         "logra_fsdp2_6": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "train.steps=6"],  # uninterrupted: test_fsdp2_sigterm_resume
+        # the tied head's share of the embedding sketch lands (the head module's sketch, not the swapped-in weight's)
+        "logra_fsdp2_emb": [*LOGRA, *FSDP2_LOGRA, "logra.embeddings=true", "dist.strategy=fsdp2"],
         # known per-problem outcomes, 5 problems over 2 ranks (3 + 2 and one padding): test_eval_outcomes_of_every_rank
         "marked_ddp": [*DENSE, "dist.strategy=ddp", "task=toy_marked", "train.steps=1", "eval.every=1", "eval.size=5",
                        "eval.batch_size=2"],
@@ -80,26 +82,29 @@ def runs(tmp_path_factory):
     torchrun([[*BASE, f"out_dir={root / name}", *args] for name, args in cases.items()])
     one_process(root / "logra_1", *LOGRA)
     one_process(root / "logra_1_fsdp2_ref", *LOGRA, *FSDP2_LOGRA)
+    one_process(root / "logra_1_emb", *LOGRA, *FSDP2_LOGRA, "logra.embeddings=true")
     one_process(root / "dense_1", *DENSE)
     return root
 
 
 @pytest.mark.parametrize("two, one", [("logra_ddp", "logra_1"), ("dense_ddp", "dense_1"),
-                                      ("dense_fsdp2", "dense_1"), ("logra_fsdp2", "logra_1_fsdp2_ref")])
+                                      ("dense_fsdp2", "dense_1"), ("logra_fsdp2", "logra_1_fsdp2_ref"),
+                                      ("logra_fsdp2_emb", "logra_1_emb")])
 def test_two_ranks_equal_one(runs, two, one):
     """Same global batch (2 prompt groups: one per rank vs both in one process) -> same weights after 3 steps.
     logra_fsdp2: predicted-KL step control on the sharded model (binding: scales < 1), the chunked LM
-    head and an hf engine copy per rank, against one process with step control and the chunked head."""
+    head and an hf engine copy per rank, against one process with step control and the chunked head;
+    logra_fsdp2_emb: the same with the tied embedding/head sketched (the head's sketch share included)."""
     assert_same_weights(runs / two, runs / one)
     m2, m1 = read_metrics(runs / two), read_metrics(runs / one)
     assert [m["step"] for m in m2] == [1, 2, 3]
     for key in ("reward/mean", "rollout/trained_seqs", "rollout/trained_tokens"):  # rollouts identical
         assert [m[key] for m in m2] == [m[key] for m in m1], key
-    keys = ("loss/policy", "step/grad_norm") + (("step/scale", "kl/predicted", "kl/realized") if two == "logra_fsdp2" else ())
+    keys = ("loss/policy", "step/grad_norm") + (("step/scale", "kl/predicted", "kl/realized") if two.startswith("logra_fsdp2") else ())
     for key in keys:
         assert [m[key] for m in m2] == pytest.approx([m[key] for m in m1], rel=1e-4, abs=1e-7), key
     assert sum(m["rollout/trained_seqs"] for m in m2) > 0  # something was trained
-    if two == "logra_fsdp2":
+    if two.startswith("logra_fsdp2"):
         assert all(m["step/scale"] < 1 for m in m2 if m["rollout/trained_seqs"])  # the control acted
 
 
