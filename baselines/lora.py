@@ -119,8 +119,8 @@ class LoRA(Method):
                    Term("optimizer", "AdamW state of the adapters", adapters * 2 * a // ctx.shard_optimizer,
                         "two moments (fp32 adapters are their own masters: no copy)")],
             grads=[Term("grads", "adapter gradients", adapters * a // ctx.shard_grads)],
-            step=[adamw_temporaries(ctx, max(r * max(m, n) for m, n in s.proj), prec)],
-            trains_norms=False, trains_embedding=False, embed_grad=False, head_grad=False,
+            step=[adamw_temporaries(ctx, max(r * max(m, n) for m, n in s.proj), prec, stepped=adapters)],
+            trains_norms=False, trains_embedding=False, embed_grad=False, head_grad=False, dense_layer_grads=False,
             saves_inputs=not cast, layer_extra=extra,
             assumptions=["lora: base weights, embedding and norms frozen (no gradient, no state)"])
 

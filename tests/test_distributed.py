@@ -27,6 +27,7 @@ LOGRA = ["method=logra", "logra.rank=8", "logra.lr=1e-3"]
 DENSE = ["method=dense", "dense.lr=1e-3"]
 FSDP2_LOGRA = ["step_control.target_kl=1e-4", "step_control.measure_realized=true", "train.logprob_chunk=64",
                "step_control.probe_fraction=1"]  # every row probed: 1 and 2 processes see the same probe
+MEM = ["log.memory_profile=true", "train.kl_coef=0.01", "train.steps=2"]  # with a reference model to load
 
 
 def _torchrun_cmd(runs: list[list[str]]):
@@ -75,14 +76,21 @@ def runs(tmp_path_factory):
         "logra_fsdp2_6": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "train.steps=6"],  # uninterrupted: test_fsdp2_sigterm_resume
         # the tied head's share of the embedding sketch lands (the head module's sketch, not the swapped-in weight's)
         "logra_fsdp2_emb": [*LOGRA, *FSDP2_LOGRA, "logra.embeddings=true", "dist.strategy=fsdp2"],
+        # a bit of rank 1's q_proj shard flipped before the sync after step 2: caught by the digest, healed
+        "logra_fsdp2_corrupt": {"overrides": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "rollout.engine=hf"],
+                                "corrupt": [2, 1]},
+        # every rank profiles its tensors: the load (policy and reference model), the prediction
+        "logra_fsdp2_mem": [*LOGRA, *FSDP2_LOGRA, *MEM, "dist.strategy=fsdp2", "rollout.engine=hf"],
         # known per-problem outcomes, 5 problems over 2 ranks (3 + 2 and one padding): test_eval_outcomes_of_every_rank
         "marked_ddp": [*DENSE, "dist.strategy=ddp", "task=toy_marked", "train.steps=1", "eval.every=1", "eval.size=5",
                        "eval.batch_size=2"],
     }
-    torchrun([[*BASE, f"out_dir={root / name}", *args] for name, args in cases.items()])
+    torchrun([{**args, "overrides": [*BASE, f"out_dir={root / name}", *args["overrides"]]} if isinstance(args, dict)
+              else [*BASE, f"out_dir={root / name}", *args] for name, args in cases.items()])
     one_process(root / "logra_1", *LOGRA)
     one_process(root / "logra_1_fsdp2_ref", *LOGRA, *FSDP2_LOGRA)
     one_process(root / "logra_1_emb", *LOGRA, *FSDP2_LOGRA, "logra.embeddings=true")
+    one_process(root / "logra_1_mem", *LOGRA, *FSDP2_LOGRA, *MEM)
     one_process(root / "dense_1", *DENSE)
     return root
 
@@ -120,6 +128,63 @@ def test_fsdp2_engine_copies_equal_trainer(runs, name):
         assert [r["full"] for r in rows] == [True] + [False] * updates  # the initial full sync, then one per update
         assert all(r["equal"] for r in rows), rows
         assert all(r.get("sync/resyncs", 0) == 0 for r in rows)
+
+
+def test_fsdp2_digest_catches_a_corrupted_shard(runs):
+    """A flipped bit in rank 1's shard of a sketched weight: the step's payload (a low-rank op) applies
+    cleanly on every engine copy, but the digest summed over the ranks' shards no longer matches, so
+    every rank resyncs once (together: a full payload is a collective) and every copy is again
+    torch.equal to the trainer's gathered weights."""
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (runs / "logra_fsdp2_corrupt" / f"engine_check_rank{rank}.jsonl").read_text().splitlines()]
+        assert [r.get("sync/resyncs", 0) for r in rows] == [0, 0, 1, 0], rows
+        assert all(r["equal"] for r in rows), rows
+
+
+def _profile(run_dir, rank: int) -> list[dict]:
+    name = "memory_profile.jsonl" if rank == 0 else f"memory_profile_rank{rank}.jsonl"
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def _extra(rows: list[dict], phase: str) -> float:
+    """The most a phase held beyond what was alive when it began, over the profiled steps."""
+    return max(r[f"mem/{phase}/peak_bytes"] - r[f"mem/{phase}/start_bytes"] for r in rows if f"mem/{phase}/peak_bytes" in r)
+
+
+def _tiny_bytes() -> tuple[int, int]:
+    """(tiny-llama's parameter bytes, one decoder layer's)."""
+    from experiments.rl.models import load_model
+
+    m, _ = load_model(build_config([*BASE, "out_dir=unused"]).model)
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    return total, sum(p.numel() * p.element_size() for p in m.model.layers[0].parameters())
+
+
+def test_fsdp2_loads_no_whole_model(runs):
+    """Sharded materialization (experiments/rl/materialize.py): on each of 2 ranks the load of the
+    policy — and then of the reference model — peaks at its shards plus small state, ≤ 0.6 × the whole
+    model's bytes (loading the whole model on every rank and sharding it after held 1.0 ×)."""
+    whole, _ = _tiny_bytes()
+    for rank in (0, 1):
+        init = _profile(runs / "logra_fsdp2_mem", rank)[0]
+        assert init["step"] == 0
+        assert 0.4 * whole < init["mem/init/peak_bytes"] <= 0.6 * whole, (init, whole)
+        assert _extra([init], "init_reference") <= 0.6 * whole, (init, whole)
+
+
+def test_fsdp2_prediction_rides_the_layer_gather(runs):
+    """Step control under fsdp2 never gathers the model: ``full_weights`` is not entered in the whole run
+    (rollouts and evaluation on the hf engine copies, the KL prediction and the realized KL layer by
+    layer), and on each rank the prediction phase holds at most what one process's prediction holds
+    beyond its start (the probe's activations, the vocabulary sums) plus two whole decoder layers — the
+    earlier whole-weight gather added every layer and the vocabulary table on top."""
+    _, layer = _tiny_bytes()
+    one = _extra(_profile(runs / "logra_1_mem", 0), "kl_predict")
+    for rank in (0, 1):
+        assert json.loads((runs / "logra_fsdp2_mem" / f"full_weights_rank{rank}.json").read_text())["calls"] == 0
+        assert json.loads((runs / "logra_fsdp2" / f"full_weights_rank{rank}.json").read_text())["calls"] == 0
+        two = _extra(_profile(runs / "logra_fsdp2_mem", rank), "kl_predict")
+        assert two <= one + 2 * layer, (rank, two, one, layer)
 
 
 def test_eval_outcomes_of_every_rank(runs):

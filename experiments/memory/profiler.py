@@ -7,9 +7,9 @@ peak the split into parameters, gradients, optimizer state and activations/other
         with prof.phase("optimizer"): ...
     prof.record()  # {"mem/fwd_bwd/peak_bytes": ..., "mem/params_bytes": ..., ...}
 
-Accounting: a storage counts from its first sight (created by an op under the mode, or registered
-up front: the model's parameters, existing grads and optimizer state) until it is freed (a weak
-finalizer on the storage). At every new peak, the live storages are classified by identity:
+Accounting: a storage counts from its first sight (created or read by an op under the mode, or
+registered up front: the model's parameters, existing grads and optimizer state) until it is freed (a
+weak finalizer on the storage). At every new peak, the live storages are classified by identity:
 params = the model's parameters, grads = their ``.grad``, optimizer = tensors returned by
 ``optimizer_state()`` (moments, sketches, bases, masters), everything else = activations/other.
 Categories therefore add up to the peak exactly. The trainer opens one per step with
@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-PHASES = ("rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync")
+PHASES = ("init", "init_reference", "rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync")
 
 
 def _storage(t: torch.Tensor):
@@ -53,6 +53,7 @@ class MemoryProfiler(TorchDispatchMode):
         self.peak = 0
         self.peak_split: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
+        self.phase_starts: dict[str, int] = {}  # live bytes when the phase was first entered
         self._phase: str | None = None
         self.peak_phase: str | None = None  # the phase during which the peak was reached
 
@@ -116,6 +117,9 @@ class MemoryProfiler(TorchDispatchMode):
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs))[0]:  # made outside the mode (a file's mapped tensor, a buffer)
+            if isinstance(t, torch.Tensor):
+                self._see(t)
         out = func(*args, **(kwargs or {}))
         if self.trace:
             self._op = str(getattr(func, "__name__", func))
@@ -130,6 +134,7 @@ class MemoryProfiler(TorchDispatchMode):
             raise ValueError(f"unknown phase {name!r}; known: {', '.join(PHASES)}")
         prev, self._phase = self._phase, name
         self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.current)
+        self.phase_starts.setdefault(name, self.current)
         try:
             yield
         finally:
@@ -137,6 +142,7 @@ class MemoryProfiler(TorchDispatchMode):
 
     def record(self) -> dict[str, float]:
         rec = {f"mem/{p}/peak_bytes": float(v) for p, v in self.phase_peaks.items()}
+        rec.update({f"mem/{p}/start_bytes": float(v) for p, v in self.phase_starts.items()})
         rec.update({f"mem/{k}_bytes": float(v) for k, v in self.peak_split.items()})
         rec["mem/tensor_peak_bytes"] = float(self.peak)
         return rec
@@ -219,9 +225,14 @@ class StepProfiler:
     def record(self) -> dict[str, float]:
         """The step's ``mem/*`` keys (appended to the profile file), then reset for the next step."""
         out, self.last = self.last, {}
-        if out and self.path is not None:
+        if out:
+            self.write({"step": getattr(self, "index", 0), **out})
+        return out
+
+    def write(self, record: dict) -> None:
+        """Append one record to the profile file (when there is one)."""
+        if self.path is not None:
             import json
 
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": getattr(self, "index", 0), **out}) + "\n")
-        return out
+                f.write(json.dumps(record) + "\n")

@@ -35,13 +35,15 @@ class PolicyFactory:
     method_cfg: Any
     threads: int = 0
 
-    def __call__(self):
+    def __call__(self, weights: bool = True, device="cpu"):
+        """(policy, tokenizer) on ``device``; ``weights=False``: allocated, not read (a copy that its
+        first full sync fills: nothing is loaded twice)."""
         from baselines import METHODS
         from experiments.rl.models import load_model
 
         if self.threads > 0:
             torch.set_num_threads(self.threads)
-        model, tokenizer = load_model(self.model_cfg)
+        model, tokenizer = load_model(self.model_cfg, device=device, weights=weights)
         model = METHODS[self.method](self.method_cfg).prepare(model)
         return model.eval().requires_grad_(False), tokenizer
 

@@ -175,6 +175,25 @@ class DataParallel:
                              "hold the gathered weights but not the sharded optimizer state")
 
     # ---- model and method ---------------------------------------------------------------------
+    def build_model(self, skeleton: nn.Module, source, method, device, model_cfg) -> nn.Module:
+        """The policy from its skeleton (experiments/rl/materialize.py): here every weight is read whole
+        onto ``device``, then ``method.setup`` prepares, wraps and builds its optimizer."""
+        from experiments.rl.materialize import materialize
+        from experiments.rl.models import finish
+
+        model = finish(materialize(skeleton, source, device), model_cfg)
+        return method.setup(model, wrap=self.wrap)
+
+    def build_reference(self, skeleton: nn.Module, source, device, model_cfg) -> nn.Module:
+        """The frozen reference model (``train.kl_coef > 0``), placed as the policy is."""
+        from experiments.rl.materialize import materialize
+        from experiments.rl.models import finish
+
+        return finish(materialize(skeleton, source, device), model_cfg).eval().requires_grad_(False)
+
+    def release(self, model: nn.Module) -> None:
+        """After a forward that no backward follows: free what the forward left gathered (FSDP's root)."""
+
     def wrap(self, model: nn.Module, method) -> nn.Module:
         """Called between ``method.prepare`` and ``method.build_optimizer`` (e.g. to shard)."""
         return model
@@ -299,6 +318,11 @@ class DataParallel:
                                       h_old=h_old, row_weights=row_weights, weight_mean=weight_mean,
                                       share_context=share_context)
         return predict_kl(model, **inputs, lowrank=update.lowrank, dense=update.dense, chunk=chunk, temperature=temperature)
+
+    def even_probes(self, batches: list[dict], model: nn.Module) -> list[dict]:
+        """Probe batches (model inputs with ``positions``) padded with batches that read nothing to the
+        largest count on any rank, where a forward of the weights is a collective (FSDP); else unchanged."""
+        return batches
 
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
         """Micro-batches padded (with repeats of a real row, trained with weight 0) to the largest

@@ -33,12 +33,34 @@ from torch.distributed.tensor import DTensor
 
 from experiments.rl.distributed.base import DataParallel, _StateDictModule, _tie, register_strategy
 from experiments.rl.sharded_checkpoint import is_sharded, save_sharded
-from logra_core.distributed import gather_rows
-from logra_core.sync import SyncSender
+from logra_core.distributed import RowShard, gather_rows, local_rows
+from logra_core.sync import SyncSender, _Tensors
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+class _ShardedTensors(_Tensors):
+    """The sender's tensors of a row-sharded model: each rank digests the rows it holds (a tensor
+    every rank holds whole counts on rank 0 only) and :meth:`reduce` sums the ranks' digests."""
+
+    def __init__(self, model: nn.Module, group=None):
+        super().__init__(model)
+        self.group = group
+        self.rank = dist.get_rank(group)
+
+    def entries(self, names):
+        out = super().entries(names)
+        if self.rank == 0:
+            return out
+        return [(key, t if local_rows(self.params[key.split("@", 1)[0]]) is not None else t[:0], offset, meta)
+                for key, t, offset, meta in out]
+
+    def reduce(self, sums: torch.Tensor) -> torch.Tensor:
+        wire = sums.to(_comm_device(self.group))
+        dist.all_reduce(wire, group=self.group)  # int64 sums of values below 2³²: exact for any rank count
+        return wire
+
+
+def _comm_device(group=None) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 class GatheringSender(SyncSender):
@@ -46,38 +68,50 @@ class GatheringSender(SyncSender):
 
     A step's low-rank op on a sharded weight carries this rank's rows of L; the payload gets every
     rank's rows (:func:`logra_core.distributed.gather_rows`, m × r), with A still rebuilt from its
-    seed by the receiver. Changed dense tensors, fp32 masters (row shards of the weight they shadow)
-    and, for the checksum, the touched weights are gathered whole. Every rank must call
-    :meth:`delta` / :meth:`full` together (collectives in the same order: the names sorted).
+    seed by the receiver. The values of changed dense tensors (and, in a full payload, of every tensor
+    and master) are gathered whole one at a time, when the receiver reads them
+    (:class:`logra_core.sync.Streamed`). The checksum is the sum of the ranks' digests of their own
+    rows (:mod:`logra_core.digest`): nothing is gathered to verify. Every rank must call
+    :meth:`delta` / :meth:`full` and read the payload together (collectives in the same order: the
+    names sorted).
     """
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
-        self.sharded = dict(self.tensors.params)
+        self.tensors = _ShardedTensors(model)
 
-    def _gathered(self, names) -> dict[str, torch.Tensor]:
-        return {n: _whole(self.sharded[n].detach()) for n in sorted(names)}
+    def whole(self, name: str) -> torch.Tensor:
+        p = self.tensors.params[name].detach()
+        return p.full_tensor() if isinstance(p, DTensor) else p.clone()
 
-    def _masters(self, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: gather_rows(masters[n], self.sharded[n]) for n in sorted(masters)}
+    def whole_master(self, name: str) -> torch.Tensor:
+        return gather_rows(self.tensors.masters[name], self.tensors.params[name]).clone()
+
+    def agree(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def delta(self, lowrank, changed, masters):
-        lowrank = {n: dataclasses.replace(lowrank[n], left=gather_rows(lowrank[n].left, self.sharded[n]))
+        lowrank = {n: dataclasses.replace(lowrank[n], left=gather_rows(lowrank[n].left, self.tensors.params[n]))
                    for n in sorted(lowrank)}
-        masters = self._masters(masters)
-        self.tensors.params = self._gathered(set(lowrank) | set(changed))
-        try:
-            return super().delta(lowrank, changed, masters)
-        finally:
-            self.tensors.params = self.sharded
+        return super().delta(lowrank, sorted(changed), masters)
 
-    def full(self, masters=None):
-        masters = self._masters(masters) if masters is not None else None
-        self.tensors.params = self._gathered(self.sharded)
-        try:
-            return super().full(masters)
-        finally:
-            self.tensors.params = self.sharded
+
+def _row_shard(t: torch.Tensor, like: torch.Tensor):
+    """``t`` (this rank's rows, or a DTensor) as a RowShard laid out like ``like``; a tensor held whole as is."""
+    if isinstance(t, DTensor):
+        return RowShard(t.to_local(), t)
+    return RowShard(t, like) if local_rows(like) is not None else t
+
+
+def _dummy_probe(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A one-token probe that reads no position: what a rank without probe rows runs, so that it takes
+    part in every collective of the others' forwards."""
+    device = next(model.parameters()).device
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.zeros_like(ids),
+                positions=torch.zeros_like(ids, dtype=torch.bool))
 
 
 @register_strategy("fsdp2")
@@ -88,11 +122,40 @@ class FSDP2(DataParallel):
     def sync_sender(self, model: nn.Module) -> SyncSender:
         return GatheringSender(model) if self.distributed else SyncSender(model)
 
-    def wrap(self, model: nn.Module, method) -> nn.Module:
+    def build_model(self, skeleton: nn.Module, source, method, device, model_cfg) -> nn.Module:
+        """Sharded materialization: ``method.prepare`` on the skeleton (meta device), ``fully_shard``, then
+        each rank allocates and reads only its own rows (experiments/rl/materialize.py) — no rank and no
+        host process ever holds the whole model."""
+        if not self.distributed:
+            return super().build_model(skeleton, source, method, device, model_cfg)
+
+        def shard_and_load(model: nn.Module, method) -> nn.Module:
+            return self._placed(self.wrap(model, method), source, device, model_cfg)
+
+        return method.setup(skeleton, wrap=shard_and_load)
+
+    def build_reference(self, skeleton: nn.Module, source, device, model_cfg) -> nn.Module:
+        if not self.distributed:
+            return super().build_reference(skeleton, source, device, model_cfg)
+        model = self._placed(self._shard(skeleton), source, device, model_cfg)
+        return model.eval().requires_grad_(False)
+
+    def release(self, model: nn.Module) -> None:
+        if self.distributed:
+            model.reshard()  # FSDP2 keeps the root gathered after a forward, expecting a backward
+
+    @staticmethod
+    def _placed(model: nn.Module, source, device, model_cfg) -> nn.Module:
+        from experiments.rl.materialize import materialize
+        from experiments.rl.models import finish
+
+        return finish(materialize(model, source, device), model_cfg)
+
+    @staticmethod
+    def _shard(model: nn.Module) -> nn.Module:
+        """``fully_shard`` on every decoder layer and the root; gradients summed, not averaged."""
         from torch.distributed.fsdp import fully_shard
 
-        if not self.distributed:
-            return model
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None:
             raise ValueError("dist.strategy=fsdp2 needs an HF decoder with model.model.layers")
@@ -106,8 +169,13 @@ class FSDP2(DataParallel):
         for layer in layers:
             layer.set_gradient_divide_factor(1.0)
             layer.set_force_sum_reduction_for_comms(True)
-        self.model = model
         return model
+
+    def wrap(self, model: nn.Module, method) -> nn.Module:
+        if not self.distributed:
+            return model
+        self.model = self._shard(model)
+        return self.model
 
     @contextmanager
     def full_weights(self, model: nn.Module):
@@ -126,32 +194,56 @@ class FSDP2(DataParallel):
                 m.reshard()
                 m.set_reshard_after_forward(True, recurse=False)
 
+    def check(self, cfg, method_cls) -> None:
+        super().check(cfg, method_cls)
+        enabled = cfg.step_control.enabled
+        control = method_cls.step_control_default if enabled is None else enabled
+        if self.distributed and control and cfg.step_control.predictor != "secant":
+            raise ValueError(
+                f"step_control.predictor={cfg.step_control.predictor!r} is not supported under dist.strategy=fsdp2 with "
+                "several ranks: its forward-mode tangents enter every dense update as a dual parameter of the whole "
+                "decoder, which FSDP2 replaces with its own unsharded parameters layer by layer. Use the default "
+                "step_control.predictor=secant (it rides on FSDP2's per-layer forward).")
+
     def predict_kl(self, model: nn.Module, inputs: dict | None, update, chunk: int, population: int | None = None,
-                   temperature: float = 1.0, predictor: str = "exact", at: float = 1.0, h_old=None, weights=None,
+                   temperature: float = 1.0, predictor: str = "secant", at: float = 1.0, h_old=None, weights=None,
                    share_context: bool = True):
-        """The KL predictor on the gathered weights (a collective: every rank calls it, with or
-        without a probe). A low-rank ΔW = D A of a row-sharded weight enters with its whole D, the
-        ranks' rows all-gathered (m × r: small), and the same A on every rank (rebuilt from the
-        seed); a dense Δ that is a row-sharded DTensor is gathered whole."""
-        from logra_core.kl_predictor import predict_kl, predict_kl_sampled
+        """The secant KL predictor through FSDP2's own per-layer forward (a collective: every rank calls
+        it, with or without a probe; :mod:`logra_core.layerwise`). The update enters as this rank's rows
+        (:class:`logra_core.distributed.RowShard`): a layer's D (m × r) is gathered when the layer runs, an
+        embedding's rows are looked up, a dense Δ is gathered when its module runs (norms: small); the
+        head's sums run vocabulary-parallel. So no more than one decoder layer is whole at a time. Every
+        rank runs the same decoder calls: a rank without a probe runs a one-token dummy; the probe's
+        shared context is used only where it gives every rank the same number of calls; the probe's
+        hidden states at θ are recomputed on every rank unless every rank kept them."""
+        from logra_core.kl_predictor import predict_kl_sampled
+        from logra_core.shared_context import context_plan
 
         if not self.distributed:
             return super().predict_kl(model, inputs, update, chunk, population, temperature, predictor, at, h_old, weights,
                                       share_context)
-        lowrank = {}
-        for name, (D, A) in update.lowrank.items():
-            weight = model.get_submodule(name).weight
-            lowrank[name] = (gather_rows(D, weight), A)
-        dense = {name: (d.full_tensor() if isinstance(d, DTensor) else d) for name, d in update.dense.items()}
+        if predictor != "secant" or population is None:
+            raise ValueError("under fsdp2 the KL is predicted by the secant predictor over a probe (see FSDP2.check)")
+        model.reshard()  # nothing of the root left gathered by an earlier forward
+        lowrank = {name: (_row_shard(D, model.get_submodule(name).weight), A) for name, (D, A) in update.lowrank.items()}
+        dense = {name: _row_shard(d, d) for name, d in update.dense.items()}
+        probe = inputs or _dummy_probe(model)
+        plan = context_plan(probe["input_ids"], probe["attention_mask"], probe["position_ids"], probe["positions"],
+                            getattr(model, "config", None)) if share_context and inputs else None
+        calls = plan.calls if plan is not None else 1
+        share_context = share_context and self._max(calls) == -self._max(-calls)  # the same count on every rank
+        if self._max(int(h_old is None)):  # some rank has no kept states: every rank recomputes (the same calls)
+            h_old = None
         row_weights, weight_mean = weights or (None, 1.0)
-        with self.full_weights(model):  # gathering is a collective: ranks without a probe take part
-            if population is not None:
-                return predict_kl_sampled(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
-                                          population=population, temperature=temperature, predictor=predictor,
-                                          at=at, h_old=h_old, row_weights=row_weights,
-                                          weight_mean=weight_mean, share_context=share_context) if inputs else (0.0, 0.0)
-            return predict_kl(model, **inputs, lowrank=lowrank, dense=dense, chunk=chunk,
-                              temperature=temperature) if inputs else 0.0
+        out = predict_kl_sampled(model, **probe, lowrank=lowrank, dense=dense, chunk=chunk, population=population,
+                                 temperature=temperature, predictor=predictor, at=at, h_old=h_old,
+                                 row_weights=row_weights, weight_mean=weight_mean, share_context=share_context)
+        return out if inputs else (0.0, 0.0)
+
+    def even_probes(self, batches: list[dict], model: nn.Module) -> list[dict]:
+        if not self.distributed:
+            return batches
+        return batches + [_dummy_probe(model)] * (self._max(len(batches)) - len(batches))
 
     def even_micro_batches(self, micro: list[torch.Tensor]) -> list[torch.Tensor]:
         most = self._max(len(micro))
