@@ -81,7 +81,7 @@ def resampled(d: np.ndarray, c: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, 
     ms_problem = m * ((c * (problem_means - star[:, None]) ** 2).sum(axis=1) + c_zero * star**2) / (n - 1)
     ss_resid = (c * (w @ (dl * dl) - m * problem_means**2)).sum(axis=1) - ss_seed
     ms_seed, ms_resid = ss_seed / (m - 1), ss_resid / ((m - 1) * (n - 1))
-    return star, np.sqrt(np.maximum(ms_seed + np.maximum(ms_problem - ms_resid, 0.0), 0.0) / (m * n))
+    return star, np.sqrt((np.maximum(ms_seed, ms_resid) + np.maximum(ms_problem - ms_resid, 0.0)) / (m * n))
 
 
 def boot_difference(d: np.ndarray, rng: np.random.Generator, levels, boot: int) -> dict[str, dict]:
@@ -230,12 +230,15 @@ def main(argv=None) -> int:
         ("--boot", {"type": int, "default": BOOT, "help": "bootstrap replicates per data set"}),
         ("--seed", {"type": int, "default": SEED, "help": "the simulation's seed"}),
         ("--out", {"type": Path, "help": "write coverage.md and coverage.csv here instead of <root>/tables"})])
+    from experiments.common.provenance import git_sha
+
+    sha = git_sha()  # of the code that runs, taken before it runs
     ref, other, used = fit_data(args.root)
     model = outcome_model.fit(ref, other)
     print(f"[coverage] fitted to {len(used)} runs: {model}")
     rows = simulate(model, ref.shape[1], args.replicates, args.boot, args.seed)
     command = "python -m analysis.coverage " + " ".join(sys.argv[1:] if argv is None else argv)
-    for path in write(args.out or args.root / "tables", rows, model, used, command):
+    for path in write(args.out or args.root / "tables", rows, model, used, command, sha):
         print(f"wrote {path}")
     return 0
 

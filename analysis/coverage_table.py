@@ -68,10 +68,7 @@ def markdown(rows: pd.DataFrame, model: OutcomeModel, used: list[str], command: 
     return "\n".join(lines) + "\n"
 
 
-def write(out_dir: Path, rows: pd.DataFrame, model: OutcomeModel, used: list[str], command: str) -> list[Path]:
-    from experiments.common.provenance import git_sha
-
-    sha = git_sha()
+def write(out_dir: Path, rows: pd.DataFrame, model: OutcomeModel, used: list[str], command: str, sha: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     csv, md = out_dir / "coverage.csv", out_dir / "coverage.md"
     rows.assign(git_sha=sha, command=command).to_csv(csv, index=False)

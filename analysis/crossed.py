@@ -14,13 +14,15 @@ of the task (the 500 held-out problems are a sample of the generator's problems)
     MS_S = n/(m−1) · Σ_s (ȳ_s· − ȳ)²,   MS_P = m/(n−1) · Σ_p (ȳ_·p − ȳ)²,
     MS_R = Σ_sp (y[s, p] − ȳ_s· − ȳ_·p + ȳ)² / ((m−1)(n−1)),
 
-E[MS_S] = σ²_R + n σ²_S, E[MS_P] = σ²_R + m σ²_P, E[MS_R] = σ²_R, so
+E[MS_S] = σ²_R + n σ²_S, E[MS_P] = σ²_R + m σ²_P, E[MS_R] = σ²_R. With each variance component
+estimated from them and clipped at 0 (Searle, Casella & McCulloch 1992, §4.8),
 
-    V̂ = s²_seed/m + σ̂²_P/n,   s²_seed = MS_S/n (the variance of the per-seed means ȳ_s·),
-                               σ̂²_P = max(0, MS_P − MS_R)/m (the problem component),
+    V̂ = σ̂²_S/m + σ̂²_P/n + σ̂²_R/(mn) = (max(MS_S, MS_R) + max(0, MS_P − MS_R)) / (mn)
+       = s²_seed/m + σ̂²_P/n   where MS_S ≥ MS_R (s²_seed = MS_S/n, the variance of the per-seed means ȳ_s·),
 
-is unbiased for Var(ȳ) where σ̂²_P > 0 (the clip at 0 only widens it): the t-interval on the per-seed
-means with the problem component added. The interval is ȳ ± t_ν(1 − α/2) · √V̂ with ν = m − 1 (the
+unbiased for Var(ȳ) where neither clip acts (a clip only widens it; the first keeps V̂ at least the
+residual noise σ̂²_R/(mn) when the seeds' means happen to agree): the t-interval on the per-seed means
+with the problem component added. The interval is ȳ ± t_ν(1 − α/2) · √V̂ with ν = m − 1 (the
 seed term's degrees of freedom: ``DF``; ``satterthwaite`` gives Satterthwaite's 1946 ν for
 (MS_S + MS_P − MS_R)/(mn), the variance-components interval). ``analysis/coverage.py`` measures the
 coverage of both, and of the bootstraps, by simulation; results/cpu/tables/coverage.md holds it.
@@ -80,14 +82,15 @@ def mean_squares(y) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def components(y, df: str = DF) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ȳ, V̂, ν) of a (..., seeds, problems) array: the mean, its variance estimate
-    (MS_S + max(0, MS_P − MS_R))/(mn) and the degrees of freedom by ``df`` (``DF_RULES``)."""
+    (max(MS_S, MS_R) + max(0, MS_P − MS_R))/(mn) and the degrees of freedom by ``df`` (``DF_RULES``;
+    Satterthwaite's ν is that of MS_S + MS_P − MS_R)."""
     if df not in DF_RULES:
         raise ValueError(f"df must be one of {DF_RULES}, got {df!r}")
     y = np.asarray(y, dtype=float)
     m, n = y.shape[-2:]
     ms_seed, ms_problem, ms_resid = mean_squares(y)
     problem = np.maximum(ms_problem - ms_resid, 0.0)
-    variance = (ms_seed + problem) / (m * n)
+    variance = (np.maximum(ms_seed, ms_resid) + problem) / (m * n)
     if df == "seeds":
         nu = np.full_like(variance, m - 1.0)
     else:  # Satterthwaite (1946) for the linear combination of independent mean squares

@@ -21,7 +21,7 @@ whose interval clears the margin decides, later seeds are not looked at.
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from analysis import crossed, outcomes
+from analysis import crossed, intervals, outcomes
 from analysis.cli import root_cli
 from analysis.load import defines_experiment, flatten, per_run
 from analysis.render import Absent, Table, fmt
@@ -39,7 +39,7 @@ REFERENCE, METHOD = "dense", "logra"
 LOOKS = (5, 10, 15, 20)  # fresh seeds at each look
 ALPHA = 0.05  # the family-wise error over all looks
 LEVEL = 1 - ALPHA / len(LOOKS)  # Bonferroni: each look's interval at 1 − α/K
-MARGIN = 0.05  # Δ ≥ −5 points counts as equal accuracy
+MARGIN = intervals.MARGIN  # Δ ≥ −5 points counts as equal accuracy
 VERDICTS = {"equal": "equal within 5 points", "gap": "a gap beyond 5 points",
             "undecided": f"undecided at {LOOKS[-1]} seeds",
             "continue": "undecided after {n} fresh seeds; the study continues"}
@@ -51,8 +51,10 @@ RULE = (f"looks after {', '.join(map(str, LOOKS[:-1]))} and {LOOKS[-1]} fresh se
         f"else go on; at {LOOKS[-1]} seeds \"{VERDICTS['undecided']}\"")
 
 
+@functools.lru_cache(maxsize=None)
 def study_configs(sweep: str = SWEEP) -> tuple[dict[str, dict], list[int]]:
-    """Per method of the sweep, its resolved config flattened (the grid's first seed), and the grid's seeds."""
+    """Per method of the sweep, its resolved config flattened (the grid's first seed), and the grid's seeds
+    (cached: building a config takes seconds; do not mutate what it returns)."""
     from omegaconf import OmegaConf
 
     from experiments.config import build_config
@@ -83,8 +85,9 @@ def membership(runs: pd.DataFrame, sweep: str = SWEEP) -> pd.DataFrame:
     """One row per run of a study method: ``run``, ``method``, ``seed``, ``done``, ``fresh`` (a seed of
     the study's grid), ``matches`` (its config agrees with the study's) and ``differs`` (the keys where not)."""
     configs, grid = study_configs(sweep)
+    columns = ["run", "method", "seed", "done", "fresh", "matches", "differs"]
     if runs.empty:
-        return pd.DataFrame(columns=["run", "method", "seed", "done", "fresh", "matches", "differs"])
+        return pd.DataFrame(columns=columns)
     controlled = (runs.groupby("run")["kl/predicted"].apply(lambda v: v.notna().any()) if "kl/predicted" in runs
                   else pd.Series(dtype=bool))
     rows = []
@@ -95,7 +98,7 @@ def membership(runs: pd.DataFrame, sweep: str = SWEEP) -> pd.DataFrame:
         differs = disagreements(raw, configs[str(r["method"])], bool(controlled.get(run, False)))
         rows.append({"run": run, "method": str(r["method"]), "seed": int(r["seed"]), "done": bool(r["done"]),
                      "fresh": int(r["seed"]) in grid, "matches": not differs, "differs": ", ".join(differs)})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=columns)
 
 
 def paired_outcomes(runs: pd.DataFrame, members: pd.DataFrame) -> tuple[dict[int, np.ndarray], list[str]]:
@@ -181,8 +184,9 @@ def pp_interval(i: crossed.Interval) -> str:
 
 def table(runs: pd.DataFrame, sweep: str = SWEEP) -> Table:
     st = state(runs, sweep)
-    if st["members"].empty or not st["members"]["fresh"].any():
-        raise Absent(f"no run of the seed study (experiments/sweeps/{sweep}.yaml) yet")
+    matching = st["members"][st["members"]["matches"]] if not st["members"].empty else st["members"]
+    if set(matching["method"]) != {REFERENCE, METHOD}:
+        raise Absent(f"no {REFERENCE} and {METHOD} runs of the seed study's configuration (experiments/sweeps/{sweep}.yaml)")
     data = pd.DataFrame([{"look": i + 1, "seeds": lk.n, "seed_list": " ".join(map(str, lk.seeds)),
                           "delta": lk.delta.estimate, "low": lk.delta.low, "high": lk.delta.high,
                           "decision": lk.decision} for i, lk in enumerate(st["looks"])],
@@ -201,6 +205,15 @@ def table(runs: pd.DataFrame, sweep: str = SWEEP) -> Table:
     notes += [f"not counted: {w}" for w in st["excluded"]]
     return Table("seed_study", f"Seed study: {METHOD} − {REFERENCE} on fresh seeds, by the stopping rule", data, shown,
                  notes)
+
+
+def headline(runs: pd.DataFrame, sweep: str = SWEEP) -> list[str]:
+    """The study's verdict in a line (for tables/summary.md), or none where the root has no study runs."""
+    try:
+        t = table(runs, sweep)
+    except Absent:
+        return []
+    return [f"seed study ({METHOD} − {REFERENCE} on fresh seeds, tables/seed_study.md): {t.notes[0].removeprefix('verdict: ')}"]
 
 
 def main(argv=None) -> int:
