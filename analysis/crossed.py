@@ -63,6 +63,11 @@ class Interval:
     def contains(self, value: float) -> bool:
         return self.low <= value <= self.high
 
+    def clipped(self, low: float, high: float) -> "Interval":
+        """The interval cut to the values the estimand can take (an accuracy lies in [0, 1], a difference
+        of two in [−1, 1]): its coverage is unchanged."""
+        return Interval(self.estimate, max(self.low, low), min(self.high, high), self.se, self.df, self.level)
+
 
 def mean_squares(y) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(MS_S, MS_P, MS_R) of a (..., seeds, problems) array (module docstring; leading axes are

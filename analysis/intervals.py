@@ -6,9 +6,9 @@ Per task × method variant (runs that differ only in seed): the final greedy pas
 problems (``eval/accuracy`` at a run's last evaluation) as mean ± std over seeds, its 95 % interval,
 and Δ = variant − dense reference in percentage points with its 95 % interval. Every interval is the
 crossed-design t-interval of ``analysis/crossed.py`` — the mean over seeds and problems ± t_{m−1} ·
-√(s²_seed/m + σ̂²_P/n): the per-seed means' spread plus the problem component, estimated from the
-per-problem outcomes of ``eval_outcomes.jsonl`` (``analysis/outcomes.py``) — the interval whose coverage
-``analysis/coverage.py`` measured (results/cpu/tables/coverage.md). A cell whose runs lack those
+√(s²_seed/m + σ̂²_P/n), cut to [0, 1] (Δ's to [−1, 1]): the per-seed means' spread plus the problem
+component, estimated from the per-problem outcomes of ``eval_outcomes.jsonl`` (``analysis/outcomes.py``)
+— the interval whose coverage ``analysis/coverage.py`` measured (results/cpu/tables/coverage.md). A cell whose runs lack those
 outcomes gets the per-seed accuracies' t-interval with a binomial problem term (conservative); a cell
 of one seed gets none.
 
@@ -80,7 +80,7 @@ def cells(runs: pd.DataFrame) -> dict[tuple[str, str], dict]:
                  if run in run_dirs else outcomes.RunOutcomes(int(r.seed), run, None, f"{run}: no run directory")
                  for (run, r), k, n in zip(group.iterrows(), correct, problems)]
         matrix = outcome_matrix(found)
-        interval = crossed.interval(matrix) if matrix is not None else crossed.from_counts(correct, problems)
+        interval = (crossed.interval(matrix) if matrix is not None else crossed.from_counts(correct, problems)).clipped(0, 1)
         out[(task, variant)] = {
             "method": group["method"].iloc[0], "seeds": len(group), "problems": sorted(set(problems.tolist())),
             "end_std": group["end"].std(), "interval": interval,
@@ -97,8 +97,8 @@ def difference(cell: dict, reference: dict) -> tuple[crossed.Interval, str, int]
     theirs = [r for r in reference["outcomes"] if r.seed in common]
     diffs, why_not = outcomes.pair(mine, theirs) if common else (None, "the cells share no seed")
     if diffs is not None:
-        return crossed.interval(diffs), "paired", len(diffs)
-    return crossed.difference(cell["interval"], reference["interval"]), f"unpaired: {why_not}", \
+        return crossed.interval(diffs).clipped(-1, 1), "paired", len(diffs)
+    return crossed.difference(cell["interval"], reference["interval"]).clipped(-1, 1), f"unpaired: {why_not}", \
         min(cell["seeds"], reference["seeds"])
 
 
