@@ -17,7 +17,7 @@ import math
 import pandas as pd
 
 METHOD_NAMES = {"dense": "dense AdamW", "logra": "LoGRA", "galore": "GaLore", "lora": "LoRA",
-                "galore_layerwise": "GaLore (layer-wise)"}
+                "galore_layerwise": "GaLore, layer-wise"}
 
 
 def controlled(config) -> bool:

@@ -4,12 +4,12 @@ its memory × dense's, in up to two panels per task:
 
 - **the training step's peak** (the measure the memory claim uses): from ``memory.csv`` of
   ``python -m experiments.memory_table`` (one GRPO step per method in a fresh process; the profiler's
-  live-tensor peak) — the root's own ``<root>/memory/memory.csv``, else the committed one the claims
-  table reads (``claims.SOURCES``: ``results/memory_table/memory.csv``) when it measured the runs'
-  model. A variant's row is the one of its method whose ``key=value`` overrides
+  live-tensor peak) — the root's own ``<root>/memory/memory.csv``, else a committed one
+  (``results/memory_table``, ``results/memory_table_bf16``) that measured the runs' model in their dtype. A variant's row is the one of its method whose ``key=value`` overrides
   (``logra:logra.embeddings=true``) all hold in the variant's run config, the most specific such row
   when several do (plain ``logra`` for a logra run without sketched embeddings, with or without step
-  control), of the runs' model where the table has it; × dense divides by that table's ``dense`` row;
+  control), of the runs' model where the table has it; × dense divides by the row the dense reference
+  (``render.dense_reference``) takes (``dense:dense.precision=mixed`` for a bf16 run);
 - **the whole process's peak over a run** beside it: the runs' own largest ``mem/peak_bytes`` × the
   dense reference's (``memory.runs_table``; on CPU the process's peak RSS, generation, evaluation and
   the Python runtime included, which every method pays alike).
@@ -20,6 +20,7 @@ share a memory row (LoGRA with and without step control) are drawn side by side,
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import yaml
 from analysis import intervals, memory
 from analysis.load import per_run
 from analysis.names import variant_names
-from analysis.render import GROUP, REFERENCE, Absent, colors, line_styles
+from analysis.render import GROUP, Absent, colors, dense_reference, line_styles
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,23 +74,38 @@ def matching_row(step: pd.DataFrame, config: pd.Series) -> pd.Series | None:
     return best
 
 
+COMMITTED = ("memory_table", "memory_table_bf16")  # results/<folder>/memory.csv a root without its own may borrow
+
+
+def _table_dtype(folder: Path) -> str:
+    """The model dtype a memory table ran in: ``model.dtype=`` among its memory.json overrides, else fp32."""
+    meta = folder / "memory.json"
+    overrides = json.loads(meta.read_text()).get("settings", {}).get("overrides", []) if meta.exists() else []
+    return next((o.split("=", 1)[1] for o in overrides if o.startswith("model.dtype=")), "float32")
+
+
 def step_memory(root_memory: pd.DataFrame | None, runs: pd.DataFrame, root: Path | None) -> tuple[pd.DataFrame | None, str]:
     """The step table (``memory.step_table``'s data) to read x from, and where it came from: the root's
-    memory.csv, else the committed one of ``claims.SOURCES`` when it holds the runs' model."""
+    memory.csv, else the first committed one (``COMMITTED``, beside the root or in this repository) that
+    measured the runs' model in the runs' dtype."""
     if root_memory is not None:
         return memory.step_table(root_memory).data, "memory/memory.csv"
     if root is None:
         return None, ""
-    from analysis.claims import SOURCES
     from analysis.load import read_memory_csv
 
-    path = SOURCES["memory"].find(Path(root))
-    if path is None:
-        return None, ""
-    table = memory.step_table(read_memory_csv(path)).data
-    models = set(per_run(runs)["model.name"].dropna().astype(str)) if "model.name" in runs else set()
-    return (table, str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)) \
-        if models & set(table["model"]) else (None, "")
+    configs = per_run(runs)
+    models = set(configs["model.name"].dropna().astype(str)) if "model.name" in configs else set()
+    dtypes = set(configs["model.dtype"].dropna().astype(str)) if "model.dtype" in configs else {"float32"}
+    for folder in [Path(root).parent / f for f in COMMITTED] + [REPO / "results" / f for f in COMMITTED]:
+        path = folder / "memory.csv"
+        if not path.exists() or dtypes != {_table_dtype(folder)}:
+            continue
+        table = memory.step_table(read_memory_csv(path)).data
+        if models & set(table["model"]):
+            where = path.resolve()
+            return table, str(where.relative_to(REPO)) if where.is_relative_to(REPO) else str(path)
+    return None, ""
 
 
 def points(root_memory: pd.DataFrame | None, runs: pd.DataFrame, root: Path | None = None) -> tuple[pd.DataFrame, str]:
@@ -99,7 +115,7 @@ def points(root_memory: pd.DataFrame | None, runs: pd.DataFrame, root: Path | No
     cells = intervals.cells(runs)
     configs = per_run(runs).drop_duplicates(GROUP).set_index(GROUP)
     step, source = step_memory(root_memory, runs, root)
-    dense = step[step["method"] == REFERENCE] if step is not None else None
+    reference = dense_reference(runs)
     try:
         by_run = memory.runs_table(runs).data.set_index(GROUP)
     except Absent:
@@ -110,11 +126,11 @@ def points(root_memory: pd.DataFrame | None, runs: pd.DataFrame, root: Path | No
     rows = []
     for (task, variant), cell in cells.items():
         peak, ratio = math.nan, math.nan
-        if step is not None:
+        if step is not None and task in reference:
             row = matching_row(step, configs.loc[(task, variant)])
-            ref = dense[dense["model"] == row["model"]] if row is not None else dense.iloc[0:0]
+            ref = matching_row(step, configs.loc[(task, reference[task])])  # the dense row of the reference's config
             peak = row["peak_bytes"] if row is not None else math.nan
-            ratio = peak / ref["peak_bytes"].iloc[0] if len(ref) else math.nan
+            ratio = peak / ref["peak_bytes"] if ref is not None else math.nan
         rss = by_run.loc[(task, variant), "ratio"] if (task, variant) in by_run.index else math.nan
         mean = cell["interval"]
         rows.append({"task_label": task, "variant": variant, "name": names[(task, variant)], "peak_bytes": peak,
