@@ -1,6 +1,6 @@
 """The claims table: LoGRA's claims against dense AdamW, each with the number this harness measured,
-its scale and caveats, and the results folder it comes from (what README's first results table is
-pasted from).
+its scale and caveats, and the results folder it comes from, for one results root (README's headline
+table is rendered across the committed folders by ``analysis/readme.py``).
 
 Rows (``METHOD`` vs ``REFERENCE``), each "not run" when its input is absent:
 
