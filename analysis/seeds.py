@@ -109,7 +109,7 @@ def paired_outcomes(runs: pd.DataFrame, members: pd.DataFrame) -> tuple[dict[int
     per = per_run_accuracy(runs)
     dirs = per_run(runs)["run_dir"]
     ok = members[members["matches"] & members["done"]]
-    out, why = {}, []
+    out, why, problems = {}, [], None
     for seed, of_seed in ok.groupby("seed"):
         by_method = {m: g["run"].tolist() for m, g in of_seed.groupby("method")}
         if sorted(by_method) != sorted((REFERENCE, METHOD)) or any(len(v) != 1 for v in by_method.values()):
@@ -122,9 +122,13 @@ def paired_outcomes(runs: pd.DataFrame, members: pd.DataFrame) -> tuple[dict[int
             n = int(r["problems"])
             both.append(outcomes.final_outcomes(run, dirs[run], int(seed), int(r["end_step"]), round(r["end"] * n), n))
         d, why_not = outcomes.pair([both[0]], [both[1]])
+        ids = sorted(both[0].outcomes) if both[0].outcomes is not None else None
         if d is None:
             why.append(f"seed {seed}: {why_not}")
+        elif problems is not None and ids != problems:
+            why.append(f"seed {seed}: evaluated other problems than seed {min(out)}")
         else:
+            problems = ids if problems is None else problems  # every counted seed: the same problems, in id order
             out[int(seed)] = d[0]
     return out, why
 
