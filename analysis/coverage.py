@@ -9,9 +9,9 @@ logra, a logit shift per seed and method, Bernoulli outcomes), fitted by maximum
 to the dense and logra cells of the seed study's configuration (``analysis/seeds.py``) among the root's
 runs with seeds below the study's (seeds 0–2 in results/cpu): the study's own seeds never chose its
 interval. Each replicate draws fresh problems (n as in the runs), fresh seeds and both methods'
-outcomes. The estimands are population means over seeds **and** problems (the issue of a paired
-difference over seeds × problems: the 500 held-out problems are a sample of the task's): Δ = A_logra −
-A_dense, and a cell's accuracy A_dense. Coverage = the share of replicates whose interval holds the
+outcomes. The estimands are population means over seeds **and** problems (a paired difference over
+seeds × problems: the 500 held-out problems are a sample of the task's): Δ = A_logra − A_dense, and a
+cell's accuracy A_dense. Coverage = the share of replicates whose interval holds the
 truth; ``fixed`` = the same against the mean over the replicate's own problems (seeds' population only).
 
 Candidates (``CANDIDATES``), for Δ on the paired differences d = x_logra − x_dense (seeds × problems):
