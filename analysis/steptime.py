@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.provenance import versions
 from analysis.render import Absent, Table, fmt
 
 TIME_CSV = "time/time.csv"
@@ -60,5 +61,5 @@ def step_table(time: pd.DataFrame | None) -> Table:
              "the optimizer phase that holds it; reward verification is not timed"]
     for col in ("device", "repeats", "git_sha"):
         if col in time:
-            notes.append(f"{col} " + ", ".join(sorted({str(s)[:12] for s in time[col].dropna()})))
+            notes.append(f"{col} " + ", ".join(versions(time[col].dropna())))
     return Table("time_step", "Time of one training step, by phase", data, shown, notes)
