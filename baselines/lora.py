@@ -94,6 +94,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 class LoRA(Method):
     """peft LoRA adapters train by AdamW; the base model is frozen."""
 
+    adds_parameters = True  # peft draws the adapters whole when it wraps the model
     config_cls = LoRAConfig
     rank_key = "r"
 

@@ -27,7 +27,8 @@ LOGRA = ["method=logra", "logra.rank=8", "logra.lr=1e-3"]
 DENSE = ["method=dense", "dense.lr=1e-3"]
 FSDP2_LOGRA = ["step_control.target_kl=1e-4", "step_control.measure_realized=true", "train.logprob_chunk=64",
                "step_control.probe_fraction=1"]  # every row probed: 1 and 2 processes see the same probe
-MEM = ["log.memory_profile=true", "train.kl_coef=0.01", "train.steps=2"]  # with a reference model to load
+# every rank profiled, with a reference model to load; a wider tiny-llama, so one block read at a time is small beside a shard
+MEM = ["log.memory_profile=true", "train.kl_coef=0.01", "train.steps=2", "model.tiny_hidden_size=128"]
 
 
 def _torchrun_cmd(runs: list[list[str]]):
@@ -152,10 +153,10 @@ def _extra(rows: list[dict], phase: str) -> float:
 
 
 def _tiny_bytes() -> tuple[int, int]:
-    """(tiny-llama's parameter bytes, one decoder layer's)."""
+    """(the MEM runs' tiny-llama's parameter bytes, one decoder layer's)."""
     from experiments.rl.models import load_model
 
-    m, _ = load_model(build_config([*BASE, "out_dir=unused"]).model)
+    m, _ = load_model(build_config([*BASE, *MEM, "out_dir=unused"]).model)
     total = sum(p.numel() * p.element_size() for p in m.parameters())
     return total, sum(p.numel() * p.element_size() for p in m.model.layers[0].parameters())
 
@@ -253,12 +254,19 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="use rollout.engine=shared"):
         strategy.check(build_config([*BASE, *DENSE, "rollout.engine=hf", f"out_dir={tmp_path}"]), METHODS["dense"])
     fsdp = FSDP2.__new__(FSDP2)
-    fsdp.world_size = 2
+    fsdp.world_size, fsdp.distributed = 2, False
     # step control, the chunked head and engine copies run under fsdp2 (test_two_ranks_equal_one)
     fsdp.check(build_config([*BASE, *LOGRA, "train.logprob_chunk=256", "rollout.engine=hf", f"out_dir={tmp_path}"]),
                METHODS["logra"])
     with pytest.raises(ValueError, match="inside backward"):
         fsdp.check(build_config([*BASE, "method=galore_layerwise", f"out_dir={tmp_path}"]), METHODS["galore_layerwise"])
+    fsdp.distributed = True  # what a sharded load or a sharded prediction cannot do
+    with pytest.raises(ValueError, match="no sharded initializer"):
+        fsdp.check(build_config([*BASE, "method=lora", f"out_dir={tmp_path}"]), METHODS["lora"])
+    with pytest.raises(ValueError, match="predictor='exact' is not supported under dist.strategy=fsdp2"):
+        fsdp.check(build_config([*BASE, *LOGRA, "step_control.predictor=exact", f"out_dir={tmp_path}"]), METHODS["logra"])
+    fsdp.check(build_config([*BASE, *LOGRA, f"out_dir={tmp_path}"]), METHODS["logra"])  # the secant, the default
+    fsdp.distributed = False
     # deepspeed: resume=true (the launcher passes it to every run) starts a fresh run; a run with a checkpoint is refused
     run = tmp_path / "run"
     ds = DeepSpeed.__new__(DeepSpeed)

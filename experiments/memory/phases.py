@@ -11,7 +11,8 @@ what stays resident beside the trainer — the rollout engine's share (a colocat
 share), or an ``hf`` engine's whole copy with the receiver's precision buffers, and on CUDA the
 context and allocator reserve (``other_gb``, an assumption). Then per phase:
 
-* ``init`` — the load (experiments/rl/materialize.py): the shards, and the one row slice being read;
+* ``init`` — the load (experiments/rl/materialize.py): the shards, and the block of rows being read
+  (the engine is built after it);
 * ``rollout`` — generation: the KV cache and a decode step's logits; with ``engine=shared`` under FSDP
   the trainer's weights gathered whole (what the engine samples from);
 * ``fwd_bwd`` — the largest of the step's candidates (backward, recompute, backward_end) plus, under
@@ -40,6 +41,7 @@ TRAIN_CANDIDATES = ("backward", "recompute", "backward_end")  # inside fwd_bwd
 ENGINES = ("vllm", "hf", "shared", "none")
 DIGEST_BUFFER = 4 * 16 * 2**16  # logra_core/digest.py: GROUP_BLOCKS x BLOCK int32 words
 VOCAB_BLOCK = 1024  # logra_core/kl_predictor.py: head rows per block of the vocabulary sums
+READ_ELEMENTS = 1 << 18  # experiments/rl/materialize.py: elements read from a weight source at once
 
 
 @dataclass
@@ -95,8 +97,10 @@ def phases(st: Step) -> dict[str, list[Term]]:
         resident.append(Term("other", "CUDA context and allocator reserve", st.other_bytes, "assumed (other_gb)"))
     out: dict[str, list[Term]] = {}
     largest = max([s.embed, s.head] + [m * n for m, n in s.proj])
-    out["init"] = [st.persist[0], Term("activations", "the row slice being read", largest * 4 // (g if st.fsdp else 1),
-                                       "the largest tensor's rows, as stored (fp32 assumed)")] + resident
+    reading = min(largest // (g if st.fsdp else 1), READ_ELEMENTS)
+    out["init"] = [st.persist[0], Term("activations", "the block of rows being read", reading * 4,
+                                       f"at most {READ_ELEMENTS:,} elements, as stored (fp32 assumed)")] \
+        + [t for t in resident if t.category == "other"]  # the engine starts after the policy is built
     kv = st.rows * st.seq_len * s.layers * 2 * s.kv_heads * s.head_dim * b
     gen = [Term("activations", "generation KV cache", kv, f"{st.rows} sequences x {st.seq_len} tokens"),
            Term("activations", "a decode step's logits", 2 * st.rows * s.vocab * 4, "fp32, and their softmax")]

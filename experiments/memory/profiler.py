@@ -9,7 +9,9 @@ peak the split into parameters, gradients, optimizer state and activations/other
 
 Accounting: a storage counts from its first sight (created or read by an op under the mode, or
 registered up front: the model's parameters, existing grads and optimizer state) until it is freed (a
-weak finalizer on the storage). At every new peak, the live storages are classified by identity:
+weak finalizer on the storage), at its current size: a storage resized in place
+(``UntypedStorage.resize_``, how FSDP2 frees and re-allocates its gathered parameters) is followed.
+A wrapper tensor (a DTensor) counts as its local shard. At every new peak, the live storages are classified by identity:
 params = the model's parameters, grads = their ``.grad``, optimizer = tensors returned by
 ``optimizer_state()`` (moments, sketches, bases, masters), everything else = activations/other.
 Categories therefore add up to the peak exactly. The trainer opens one per step with
@@ -19,12 +21,14 @@ the peak with the op that made it (``python -m experiments.memory_table trace=1`
 
 from __future__ import annotations
 
+import os
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 PHASES = ("init", "init_reference", "rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync")
@@ -37,6 +41,16 @@ def _storage(t: torch.Tensor):
         return None
 
 
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``t``'s data: ``t`` itself, or the inner tensors of a wrapper subclass (a
+    DTensor's local shard), whose own storage would report the global size."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]
+        return [x for v in inner if isinstance(v, torch.Tensor) for x in _plain(v)]
+    return [t]
+
+
 class MemoryProfiler(TorchDispatchMode):
     def __init__(self, model: torch.nn.Module, optimizer_state: Callable[[], Iterable[torch.Tensor]] = lambda: (),
                  trace: bool = False):
@@ -47,6 +61,7 @@ class MemoryProfiler(TorchDispatchMode):
         self.trace = trace
         self.meta: dict[int, tuple] = {}
         self.peak_tensors: list[tuple] = []
+        self.phase_tensors: dict[str, list[tuple]] = {}  # trace=True: (op, shape, dtype, bytes) alive at each phase's peak
         self._op = "registered"
         self.live: dict[int, int] = {}  # storage id -> bytes
         self.current = 0
@@ -59,6 +74,10 @@ class MemoryProfiler(TorchDispatchMode):
 
     # --- accounting
     def _see(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):  # a DTensor: count its local shard, not the global size
+            for inner in _plain(t):
+                self._see(inner)
+            return
         st = _storage(t)
         if st is None or st.device.type == "meta":
             return
@@ -72,6 +91,8 @@ class MemoryProfiler(TorchDispatchMode):
             self.meta[key] = (self._op, tuple(t.shape), str(t.dtype).replace("torch.", ""))
         weakref.finalize(st, self._free, key)
         if self._phase is not None:
+            if self.trace and self.current > self.phase_peaks.get(self._phase, 0):
+                self.phase_tensors[self._phase] = [(*self.meta.get(k, ("?", (), "?")), n) for k, n in list(self.live.items())]
             self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), self.current)
         if self.current > self.peak:
             self.peak = self.current
@@ -85,8 +106,8 @@ class MemoryProfiler(TorchDispatchMode):
     def _ids(self, tensors) -> set[int]:
         out = set()
         for t in tensors:
-            if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
-                out.add(id(st))
+            if isinstance(t, torch.Tensor):
+                out.update(id(st) for x in _plain(t) if (st := _storage(x)) is not None)
         return out
 
     def _split(self) -> dict[str, int]:
@@ -95,7 +116,7 @@ class MemoryProfiler(TorchDispatchMode):
                 "optimizer": self._ids(self.optimizer_state())}
         split = {k: 0 for k in ("params", "grads", "optimizer", "activations")}
         listed = []
-        for key, n in self.live.items():
+        for key, n in list(self.live.items()):  # a snapshot: a finalizer may free a storage meanwhile
             name = next((c for c, ids in cats.items() if key in ids), "activations")
             split[name] += n
             if self.trace:
@@ -109,12 +130,36 @@ class MemoryProfiler(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._see(t)
 
+    def _resized(self, storage, nbytes: int) -> None:
+        key = id(storage)
+        if key in self.live:
+            self.current += nbytes - self.live[key]
+            self.live[key] = nbytes
+            if nbytes and self._phase is not None:
+                self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), self.current)
+            if self.current > self.peak:
+                self.peak, self.peak_phase = self.current, self._phase
+                self.peak_split = self._split()
+
     def __enter__(self):
         params = list(self.model.parameters())
         self.register(params)
         self.register(p.grad for p in params if p.grad is not None)
         self.register(self.optimizer_state())
+        original, profiler = torch.UntypedStorage.resize_, self
+        self._original_resize = original
+
+        def resize_(storage, nbytes):
+            out = original(storage, nbytes)
+            profiler._resized(storage, int(nbytes))
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in tree_flatten((args, kwargs))[0]:  # made outside the mode (a file's mapped tensor, a buffer)
@@ -185,8 +230,10 @@ class StepProfiler:
     ``mem/*`` keys; each step is appended to ``<run_dir>/memory_profile.jsonl``. Disabled, every
     call is a no-op (the default: the accounting slows a step)."""
 
-    def __init__(self, enabled: bool, model, state: Callable[[], Iterable[torch.Tensor]], device, path=None):
+    def __init__(self, enabled: bool, model, state: Callable[[], Iterable[torch.Tensor]], device, path=None,
+                 resident: Callable[[], Iterable[torch.Tensor]] = lambda: ()):
         self.enabled, self.model, self.state, self.device, self.path = enabled, model, state, device, path
+        self.resident = resident  # tensors alive beside the trainer's (a rollout engine's copy), counted from the start
         self.prof: MemoryProfiler | None = None
         self.cuda_peaks: dict[str, int] = {}
         self.last: dict[str, float] = {}
@@ -196,9 +243,13 @@ class StepProfiler:
         if not self.enabled:
             yield
             return
-        self.prof, self.cuda_peaks = MemoryProfiler(self.model, self.state), {}
+        trace = os.environ.get("LOGRA_MEMORY_TRACE", "") not in ("", "0")  # debugging: what is alive at each phase's peak
+        self.prof, self.cuda_peaks = MemoryProfiler(self.model, self.state, trace=trace), {}
         with self.prof:
+            self.prof.register(self.resident())
             yield
+        if trace and self.path is not None:
+            write_phase_trace(self.prof, Path(str(self.path) + ".trace.txt"), index)
         rec = self.prof.record()
         for name, peak in self.cuda_peaks.items():
             rec[f"mem/{name}/peak_bytes"] = float(peak)  # the allocator's figure on CUDA
@@ -233,6 +284,26 @@ class StepProfiler:
         """Append one record to the profile file (when there is one)."""
         if self.path is not None:
             import json
+            from pathlib import Path
 
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def write_phase_trace(prof: MemoryProfiler, path: Path, step: int = 0) -> None:
+    """Append, per phase, the storages alive at its peak grouped by (creating op, shape, dtype), largest
+    first (``LOGRA_MEMORY_TRACE=1``: for finding what a phase holds)."""
+    from collections import Counter
+
+    lines = []
+    for phase, tensors in prof.phase_tensors.items():
+        groups, nbytes = Counter(), Counter()
+        for op, shape, dtype, n in tensors:
+            groups[(op, shape, dtype)] += 1
+            nbytes[(op, shape, dtype)] += n
+        lines.append(f"step {step} phase {phase}: {sum(nbytes.values())} bytes")
+        lines += [f"  {nbytes[k]:>12} {groups[k]:>5}x {k[0]:<40} {k[1]} {k[2]}" for k in sorted(nbytes, key=lambda k: -nbytes[k])[:40]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write("\n".join(lines) + "\n")

@@ -5,8 +5,9 @@ A model is built in two steps (docs/distributed.md, "Loading"):
 1. **skeleton** — the architecture from its config with every parameter on the ``meta`` device (no
    memory; buffers such as RoPE's inverse frequencies are real), weights tied as the config says;
 2. **materialize** — parameters allocated where they will live (``to_empty``), each filled with the
-   rows it holds from a :class:`WeightSource`. One process holds every row; under FSDP2 the skeleton
-   is sharded first, so each rank allocates and reads only its own rows.
+   rows it holds from a :class:`WeightSource`, a block of about :data:`READ_ELEMENTS` at a time. One
+   process holds every row; under FSDP2 the skeleton is sharded first, so each rank allocates and
+   reads only its own rows.
 
 Sources:
 
@@ -37,6 +38,7 @@ from torch import nn
 from logra_core.distributed import local, local_rows
 
 RANDOM_BLOCK = 1 << 16  # elements of one keyed block of the random initialization
+READ_ELEMENTS = 1 << 18  # elements read from a source at once (the load's transient: a few MB, never a whole tensor)
 
 
 class WeightSource:
@@ -173,6 +175,8 @@ def materialize(model: nn.Module, source: Optional[WeightSource], device) -> nn.
     first full sync fills). Buffers keep their values; ties survive."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers() if b.device.type != "meta"}
     ties = _ties(model)
+    for (mname, pname), _ in ties:  # one allocation per shared parameter: its second holders re-tied after
+        model.get_submodule(mname)._parameters[pname] = None
     model.to_empty(device=device)
     for name, value in buffers.items():
         owner, _, bname = name.rpartition(".")
@@ -186,8 +190,13 @@ def materialize(model: nn.Module, source: Optional[WeightSource], device) -> nn.
                          f"({len(missing)} parameter(s)): a parameter added before materializing (an adapter) "
                          "has no initializer here")
     for name, p in model.named_parameters():
-        part = local(p)
-        part.copy_(source.read(name, local_rows(p), part))
+        part, rows = local(p), local_rows(p)
+        first = rows.start if rows is not None else 0
+        per_row = part[0].numel() if part.dim() > 1 and part.shape[0] else 1
+        step = max(1, READ_ELEMENTS // per_row)
+        for i in range(0, part.shape[0] if part.dim() else 1, step):  # a few MB read at a time
+            block = part[i : i + step] if part.dim() else part
+            block.copy_(source.read(name, slice(first + i, first + i + block.shape[0]) if part.dim() else None, block))
     return model
 
 
@@ -206,7 +215,4 @@ def _ties(model: nn.Module) -> list[tuple[str, str]]:
 
 def _retie(model: nn.Module, ties) -> None:
     for (mname, pname), (fmod, fname) in ties:
-        shared = getattr(model.get_submodule(fmod), fname)
-        module = model.get_submodule(mname)
-        if getattr(module, pname) is not shared:
-            module._parameters[pname] = shared
+        model.get_submodule(mname)._parameters[pname] = getattr(model.get_submodule(fmod), fname)

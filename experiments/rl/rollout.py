@@ -127,6 +127,11 @@ class RolloutEngine:
     def close(self) -> None:
         """Release what the engine holds (a worker process)."""
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The tensors the engine keeps in the trainer's process between steps (its copy of the policy,
+        the receiver's buffers), for the memory profiler; none for the trainer's own module."""
+        return []
+
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 # The modules whose engines register themselves (``@register_engine``) when imported; build_engine

@@ -69,6 +69,9 @@ class HFCopyEngine(HFGenerateEngine):
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.receiver.tensors.masters.values()]
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -21,6 +21,7 @@ phase and the memory planner's estimate. Checkpoints are crash-safe (``experimen
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from contextlib import contextmanager, nullcontext
@@ -36,7 +37,7 @@ from experiments.rl.distributed import build_strategy
 from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages, logit_softcap
 from experiments.rl.guard import (PREEMPTED_EXIT, NonFiniteError, Preempted, PreemptionSignals,  # noqa: F401  (re-exported)
                                   oom_context, planner_estimate, update_nonfinite)
-from experiments.memory.profiler import MemoryProfiler, StepProfiler, optimizer_tensors
+from experiments.memory.profiler import MemoryProfiler, StepProfiler, optimizer_tensors, write_phase_trace
 from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics
 from experiments.rl.models import load_skeleton
 from experiments.rl.probe_capture import ProbeCapture
@@ -102,7 +103,8 @@ class GRPOTrainer:
         self.method = METHODS[c.method](getattr(c, c.method))
         # every rank profiles itself (log.memory_profile): rank 0 into memory_profile.jsonl, rank r into memory_profile_rank<r>.jsonl
         profile_path = self.run_dir / ("memory_profile.jsonl" if self.dist.is_main else f"memory_profile_rank{self.dist.rank}.jsonl")
-        init = MemoryProfiler(torch.nn.Module()) if c.log.memory_profile else None  # the load's peak: "init"
+        trace = os.environ.get("LOGRA_MEMORY_TRACE", "") not in ("", "0")
+        init = MemoryProfiler(torch.nn.Module(), trace=trace) if c.log.memory_profile else None  # the load's peak: "init"
         with init or nullcontext():
             with init.phase("init") if init else nullcontext():
                 skeleton, self.tokenizer, source = load_skeleton(c.model)  # no weights yet: the strategy places them
@@ -114,9 +116,12 @@ class GRPOTrainer:
         self.method = self.dist.attach(self.method)
         self.model.train()
         self.profiler = StepProfiler(c.log.memory_profile, self.model,  # off by default
-                                     lambda: optimizer_tensors(self.method, self.model), self.device, profile_path)
+                                     lambda: optimizer_tensors(self.method, self.model), self.device, profile_path,
+                                     resident=lambda: self.engine.resident_tensors())
         if init is not None:
             self.profiler.write({"step": 0, **init.record()})
+            if trace:
+                write_phase_trace(init, Path(str(profile_path) + ".trace.txt"), 0)
         enabled = c.step_control.enabled
         self.step_control = self.method.step_control_default if enabled is None else enabled
         self.engine = build_engine(c.rollout, self.model, self.tokenizer,
@@ -250,6 +255,7 @@ class GRPOTrainer:
             "reward/accuracy": float((all_rewards > 0.5).float().mean()),
             "reward/zero_std_groups": float((all_rewards.view(-1, tc.group_size).std(1) == 0).float().mean()) if tc.group_size > 1 else 1.0,
             "rollout/len_mean": float(lengths.mean()),
+            "rollout/seq_len": float(every(torch.tensor([float(rollouts.prompt_ids.shape[1] + rollouts.completion_ids.shape[1])])).max()),
             "rollout/truncated_frac": float(every(rollouts.truncated.float()).mean()),
         }
         if timeouts is not None:  # scored 0 without a verdict: a rising count means reward_timeout_s is too short

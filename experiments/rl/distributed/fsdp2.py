@@ -196,6 +196,11 @@ class FSDP2(DataParallel):
 
     def check(self, cfg, method_cls) -> None:
         super().check(cfg, method_cls)
+        if self.distributed and method_cls.adds_parameters:
+            raise ValueError(
+                f"method {method_cls.name!r} cannot run under dist.strategy=fsdp2 with several ranks: each rank builds "
+                "its shards of the model from the checkpoint's rows (experiments/rl/materialize.py), and the parameters "
+                "this method adds (adapters) have no sharded initializer. Use dist.strategy=ddp (its adapters are small).")
         enabled = cfg.step_control.enabled
         control = method_cls.step_control_default if enabled is None else enabled
         if self.distributed and control and cfg.step_control.predictor != "secant":
