@@ -54,6 +54,7 @@ class PlanArgs:
     device: Optional[str] = None  # cuda (default: foreach AdamW, the CUDA reserve) | cpu (single-tensor AdamW, no reserve)
     step_control: Optional[bool] = None  # plan the KL-prediction phase; default: the method's (on for logra)
     probe_seqs: Optional[int] = None  # sequences the KL probe reads per GPU; default: a quarter of the rows, at least 12
+    reference_model: Optional[bool] = None  # a frozen reference model for a KL penalty (train.kl_coef > 0); default false
     out: str = ""  # also write one CSV row per entry here (GiB per GPU by category, total, peak, verdict); "" = print only
 
 

@@ -40,6 +40,7 @@ def plan_memory(run: Run, sweep: Sweep, launcher: dict) -> str:
     kwargs.setdefault("logprob_chunk", int(cfg.train.logprob_chunk))
     kwargs.setdefault("gradient_checkpointing", bool(cfg.model.gradient_checkpointing))
     kwargs.setdefault("engine", {"vllm": "vllm", "hf": "hf", "hf_process": "none"}.get(cfg.rollout.engine, "shared"))
+    kwargs.setdefault("reference_model", float(cfg.train.kl_coef) > 0)  # a frozen copy for the KL penalty
     control = cfg.get("step_control", {}).get("enabled")
     kwargs.setdefault("step_control", METHODS[cfg.method].step_control_default if control is None else bool(control))
     try:
