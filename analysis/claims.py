@@ -1,14 +1,14 @@
 """The claims table: LoGRA's claims against dense AdamW, each with the number this harness measured,
-its scale and caveats, and the results folder it comes from (what README's first results table is
-pasted from).
+its scale and caveats, and the results folder it comes from, for one results root (README's headline
+table is rendered across the committed folders by ``analysis/readme.py``).
 
 Rows (``METHOD`` vs ``REFERENCE``), each "not run" when its input is absent:
 
 - memory: peak bytes of one GRPO step, method / reference, from ``memory.csv``
   (``memory.step_table``), one value per method row of the table (``logra``, ``logra:logra.embeddings=true``);
-- accuracy: final greedy pass@1, method − reference in percentage points with the 95 % bootstrap
-  interval over seeds and problems and the ≥ −5 pp verdict (``analysis/intervals.py``), one row per
-  task and method variant of the root's runs;
+- accuracy: final greedy pass@1, method − reference in percentage points with the 95 % interval over
+  seeds and problems (t, ``analysis/crossed.py``) and the ≥ −5 pp verdict (``analysis/intervals.py``),
+  one row per task and method variant of the root's runs, with the git shas of the runs it compares;
 - step time: the whole GRPO step's median seconds, method / reference (the ``step`` phase's
   ``x_dense`` of ``time.csv``, ``steptime``), one value per method row;
 - sync bytes: mean bytes a step sends to the rollout engine / a full-weight sync (``sync.table``),
@@ -17,7 +17,8 @@ Rows (``METHOD`` vs ``REFERENCE``), each "not run" when its input is absent:
 Each input is looked for in the root first, then in the committed folder that holds it alone
 (``SOURCES``): ``<root>/memory/memory.csv``, else ``results/memory_table/memory.csv``;
 ``<root>/time/time.csv``, else ``results/time_table/time.csv``; the root's runs, else
-``results/quick``'s for sync bytes. The folder a number came from is in its row.
+``results/quick``'s for sync bytes. The folder a number came from is in its row, and the code version
+that made it: every sha whole, its "-dirty" marker kept (``analysis/provenance.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 import pandas as pd
 
 from analysis import intervals, lr_sweep, memory, steptime, sync
-from analysis.load import load_runs, read_memory_csv
+from analysis.load import load_runs, per_run, read_memory_csv
+from analysis.provenance import versions
 from analysis.render import Absent, Table, fmt
 
 METHOD, REFERENCE = "logra", "dense"  # the claim: METHOD's memory, accuracy, time and sync against REFERENCE's
@@ -78,7 +80,7 @@ def memory_rows(root: Path) -> list[dict]:
     data = memory.step_table(read_memory_csv(path)).data
     mine = data[_method_rows(data["method"]) & data["ratio"].notna()]
     measured = "; ".join(f"{fmt(r.ratio, 3)} ({r.method})" for r in mine.itertuples()) or NOT_RUN
-    shas = sorted({str(s)[:7] for s in data.get("git_sha", pd.Series(dtype=str)).dropna()})
+    shas = versions(data.get("git_sha", pd.Series(dtype=str)).dropna())
     scale = f"{', '.join(sorted(set(data['model'])))}; one GRPO step, fresh process per method; profiler peak"
     return [{"claim": claim, "measured": measured, "scale": scale + (f"; sha {', '.join(shas)}" if shas else ""),
              "results": _where(path.parent)}]
@@ -97,15 +99,17 @@ def accuracy_rows(root: Path, runs: pd.DataFrame) -> list[dict]:
     rows = []
     for r in mine.itertuples():
         of = runs[(runs["task_label"] == r.task_label) & (runs["variant"] == r.variant)]
+        both = per_run(runs[(runs["task_label"] == r.task_label) & runs["variant"].isin([r.variant, r.reference])])
         model = "/".join(sorted(set(of["model.name"].dropna().astype(str)))) if "model.name" in of else "?"
         dtype = "/".join(sorted(set(of["model.dtype"].dropna().astype(str)))) if "model.dtype" in of else ""
         steps = int(of["step"].max())
         rows.append({
             "claim": f"{claim} ({r.task_label}; {r.variant} vs {r.reference})",
-            "measured": (f"{fmt(100 * r.delta, 1, signed=True)} pp, 95 % interval [{fmt(100 * r.delta_low, 1, signed=True)}, "
-                         f"{fmt(100 * r.delta_high, 1, signed=True)}]; ≥ −5 pp: {r.verdict}"),
-            "scale": f"{model} {dtype}, {r.seeds} seed{'s' if r.seeds > 1 else ''} × {steps} steps, "
-                     f"{r.problems} held-out problems; {r.pairing.split(':')[0]} bootstrap over seeds and problems",
+            "measured": (f"{fmt(100 * r.delta, 1, signed=True)} pp, 95 % interval "
+                         f"{intervals.interval_text(r.delta_low, r.delta_high, signed=True)}; ≥ −5 pp: {r.verdict}"),
+            "scale": f"{model} {dtype}, {r.delta_seeds} seed{'s' if r.delta_seeds > 1 else ''} × {steps} steps, "
+                     f"{r.problems} held-out problems; {r.pairing.split(':')[0]} t-interval over seeds and problems; "
+                     f"runs at {', '.join(versions(both['git_sha']))}",
             "results": _where(root)})
     return rows
 
@@ -118,8 +122,8 @@ def time_rows(root: Path) -> list[dict]:
     time = steptime.read_time_csv(path)
     step = time[(time["phase"] == "step") & _method_rows(time["method"]) & time["x_dense"].notna()]
     measured = "; ".join(f"{fmt(r.x_dense, 2)} ({r.method})" for r in step.itertuples()) or NOT_RUN
-    details = [f"{c} {', '.join(sorted({str(v)[:7] for v in time[c].dropna()}))}" for c in ("device", "repeats", "git_sha")
-               if c in time]
+    details = [f"{c} {', '.join(sorted({str(v) for v in time[c].dropna()}))}" for c in ("device", "repeats") if c in time]
+    details += [f"git_sha {', '.join(versions(time['git_sha'].dropna()))}"] if "git_sha" in time else []
     scale = "median over repeats, methods interleaved in one process; " + "; ".join(details)
     return [{"claim": claim, "measured": measured, "scale": scale, "results": _where(path.parent)}]
 
@@ -149,7 +153,7 @@ def table(root: str | Path, runs: pd.DataFrame) -> Table:
     shown = pd.DataFrame({"claim": data["claim"], "measured": data["measured"], "scale and caveats": data["scale"],
                           "results": [r or "—" for r in data["results"]]})
     notes = [f"{NOT_RUN}: the input is absent (no memory.csv, no time.csv, no {METHOD} and {REFERENCE} runs, no sync metrics)",
-             "accuracy: Δ and its 95 % interval as in tables/accuracy_intervals.md (analysis/bootstrap.py); "
+             "accuracy: Δ and its 95 % interval as in tables/accuracy_intervals.md (analysis/crossed.py); "
              "≥ −5 pp: yes / no / undecided by whether the interval lies above, below or across −5 pp"]
     return Table("claims", f"Claims: {METHOD} against {REFERENCE}, as measured", data, shown, notes)
 

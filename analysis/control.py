@@ -64,10 +64,10 @@ def table(runs: pd.DataFrame) -> Table:
     rows = []
     for task, on, off in found:
         a, b = data_cells[(task, on)], data_cells[(task, off)]
-        delta, pairing = intervals.difference(a, b, key=f"{task}|{on}|{off}")
-        rows.append({"task_label": task, "variant": on, "without": off, "seeds": min(a["seeds"], b["seeds"]),
-                     "with_mean": a["boot"][0].estimate, "with_std": a["end_std"],
-                     "without_mean": b["boot"][0].estimate, "without_std": b["end_std"],
+        delta, pairing, used = intervals.difference(a, b)
+        rows.append({"task_label": task, "variant": on, "without": off, "seeds": used,
+                     "with_mean": a["interval"].estimate, "with_std": a["end_std"],
+                     "without_mean": b["interval"].estimate, "without_std": b["end_std"],
                      "delta": delta.estimate, "delta_low": delta.low, "delta_high": delta.high, "pairing": pairing})
     data = pd.DataFrame(rows)
     shown = pd.DataFrame({
@@ -75,7 +75,7 @@ def table(runs: pd.DataFrame) -> Table:
         "with control (%)": [mean_std(100 * m, 100 * s) for m, s in zip(data["with_mean"], data["with_std"])],
         "without (%)": [mean_std(100 * m, 100 * s) for m, s in zip(data["without_mean"], data["without_std"])],
         "Δ with − without (pp)": [fmt(100 * d, 1, signed=True) for d in data["delta"]],
-        "Δ 95 % interval (pp)": [f"[{fmt(100 * lo, 1, signed=True)}, {fmt(100 * hi, 1, signed=True)}]"
+        "Δ 95 % interval (pp)": [intervals.interval_text(lo, hi, signed=True)
                                  for lo, hi in zip(data["delta_low"], data["delta_high"])],
     })
     notes = ["final greedy pass@1 on the held-out problems at each run's last evaluation; mean ± std over seeds",

@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from analysis.provenance import versions  # noqa: E402
 from analysis.render import GROUP, Absent, Table, byte_unit, dense_reference, fmt, seed_note  # noqa: E402
 
 CATEGORIES = ["params", "grads", "optimizer", "activations"]
@@ -77,7 +78,7 @@ def step_table(memory: pd.DataFrame | None) -> Table:
     if not ref:
         notes.append("no dense row: no reduction vs dense")
     if "git_sha" in data:
-        notes.append("git sha " + ", ".join(sorted({str(s)[:12] for s in data["git_sha"].dropna()})))
+        notes.append("git sha " + ", ".join(versions(data["git_sha"].dropna())))
     return Table("memory_step", "Peak memory of one training step, by category", data, shown, notes)
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import pandas as pd
 
-from analysis import accuracy, claims, control, intervals, kl, learning, lr_sweep, memory, steptime, sync, tradeoff
+from analysis import accuracy, claims, control, intervals, kl, learning, lr_sweep, memory, seeds, steptime, sync, tradeoff
 from analysis.load import load_memory_csv, load_runs
 from analysis.render import Absent, Table, save_figure
 
@@ -40,10 +40,11 @@ TABLES: dict[str, Callable[[Results], Table]] = {
     "kl": lambda r: kl.table(r.runs),
     "control": lambda r: control.table(r.runs),
     "claims": lambda r: claims.table(r.root, r.runs),
+    "seed_study": lambda r: seeds.table(r.runs),
 }
 FIGURES: dict[str, Callable[[Results], object]] = {
     "memory": lambda r: memory.figure(r.memory, r.runs),
-    "memory_accuracy": lambda r: tradeoff.figure(r.memory, r.runs),
+    "memory_accuracy": lambda r: tradeoff.figure(r.memory, r.runs, r.root),
     "lr_sweep": lambda r: lr_sweep.figure(r.runs),
     "curves": lambda r: learning.figure(r.runs),
     "kl_scatter": lambda r: kl.scatter(r.runs),
@@ -54,6 +55,7 @@ FIGURES: dict[str, Callable[[Results], object]] = {
 HEADLINES: dict[str, Callable[[Results], list[str]]] = {
     "best learning rates": lambda r: lr_sweep.headline(r.runs),
     "accuracy vs dense": lambda r: claims.headline(r.runs),
+    "seed study": lambda r: seeds.headline(r.runs),
 }
 SUMMARY = "summary.md"
 # Columns of runs.csv besides the metrics: what names a run and where it came from.

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.provenance import versions
 from analysis.render import GROUP, Absent, Table, dense_reference, fmt
 
 TIME_CSV = "time/time.csv"
@@ -72,7 +73,7 @@ def step_table(time: pd.DataFrame | None) -> Table:
              "the optimizer phase that holds it; reward verification is not timed"]
     for col in ("device", "repeats", "git_sha"):
         if col in time:
-            notes.append(f"{col} " + ", ".join(sorted({str(s)[:12] for s in time[col].dropna()})))
+            notes.append(f"{col} " + ", ".join(versions(time[col].dropna())))
     return Table("time_step", "Time of one training step, by phase", data, shown, notes)
 
 

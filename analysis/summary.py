@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.load import load_dirs
+from analysis.provenance import shown
 
 COLUMNS = ["run", "method", "task", "seed", "steps", "eval@start", "eval@end", "eval steps", "median s/step", "peak RSS GiB", "git sha"]
 
@@ -40,7 +41,7 @@ def summarize_rows(run: str, rows: pd.DataFrame) -> dict:
         "eval steps": " ".join(f"{s}:{a:.2f}" for s, a in zip(evals["step"], evals["eval/accuracy"])),
         "median s/step": f"{step_s.median():.1f}" if len(step_s) else "-",
         "peak RSS GiB": f"{rss.max() / 2**30:.2f}" if len(rss) else "-",
-        "git sha": str(first["git_sha"])[:12],
+        "git sha": shown(first["git_sha"]),
     }
 
 

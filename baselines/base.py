@@ -85,6 +85,7 @@ class Method:
     supports_step_control: ClassVar[bool] = True  # False where updates happen inside backward
     supports_data_parallel: ClassVar[bool] = True  # False where updates land before gradients could be reduced
     elementwise_optimizer: ClassVar[bool] = False  # its optimizer acts elementwise on trainable tensors (DeepSpeed ZeRO may partition it)
+    adds_parameters: ClassVar[bool] = False  # prepare() adds parameters a checkpoint lacks (adapters), initialized by their own library
     metrics: ClassVar[dict[str, str]] = {}  # metric keys its step() logs beyond experiments/rl/metrics.py's, with their meanings
     rank_key: ClassVar[str | None] = None  # the config field that is the planner's `rank` (sketch rank, LoRA r); None: no rank
     plan_option_names: ClassVar[frozenset[str]] = frozenset()  # planner options only this method reads (PlanContext.options)

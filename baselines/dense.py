@@ -64,5 +64,5 @@ class DenseAdamW(Method):
                         "fp32 master + two fp32 moments" if mixed else "two moments in the weight dtype")],
             grads=[Term("grads", "gradients", s.total * ctx.weight_bytes // ctx.shard_grads, "every weight, weight dtype")],
             step=([master_gradients(ctx, s.total)] if mixed else [])
-            + [adamw_temporaries(ctx, max([s.embed] + [m * n for m, n in s.proj]), prec)],
+            + [adamw_temporaries(ctx, max([s.embed] + [m * n for m, n in s.proj]), prec, stepped=s.total)],
             grads_at_step=not mixed)

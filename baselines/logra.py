@@ -113,6 +113,7 @@ class LoGRAMethod(Method):
             if head_sketched else []
         return MemoryTerms(
             state=state, grads=grads, step=step, saves_inputs=False, embed_grad=embed_dense, head_grad=head_dense, head=head,
+            dense_layer_grads=False, sketched_rows=rows, receiver_bytes=per,
             layer_extra=[(7 * r, 4, f"X A^T (tokens x {r}, fp32) per sketched projection instead of X")],
             assumptions=[f"logra: projections learn through m x r sketches (r={r}), no dense gradient; embedding "
                          + ("and tied head sketched" if emb else "and head trained by AdamW with a dense gradient")

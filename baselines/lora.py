@@ -94,6 +94,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 class LoRA(Method):
     """peft LoRA adapters train by AdamW; the base model is frozen."""
 
+    adds_parameters = True  # peft draws the adapters whole when it wraps the model
     config_cls = LoRAConfig
     rank_key = "r"
 
@@ -119,8 +120,8 @@ class LoRA(Method):
                    Term("optimizer", "AdamW state of the adapters", adapters * 2 * a // ctx.shard_optimizer,
                         "two moments (fp32 adapters are their own masters: no copy)")],
             grads=[Term("grads", "adapter gradients", adapters * a // ctx.shard_grads)],
-            step=[adamw_temporaries(ctx, max(r * max(m, n) for m, n in s.proj), prec)],
-            trains_norms=False, trains_embedding=False, embed_grad=False, head_grad=False,
+            step=[adamw_temporaries(ctx, max(r * max(m, n) for m, n in s.proj), prec, stepped=adapters)],
+            trains_norms=False, trains_embedding=False, embed_grad=False, head_grad=False, dense_layer_grads=False,
             saves_inputs=not cast, layer_extra=extra,
             assumptions=["lora: base weights, embedding and norms frozen (no gradient, no state)"])
 

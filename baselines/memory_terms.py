@@ -52,6 +52,7 @@ class PlanContext:
     shard_optimizer: int  # divisor of optimizer-state bytes (any sharding)
     options: dict = field(default_factory=dict)  # the method's own planner options (Method.plan_option_names)
     precision: str = "mixed"  # AdamW precision where a method's options name none: mixed (fp32 master + moments) | bf16
+    device: str = "cuda"  # cuda | cpu: which AdamW implementation's temporaries (foreach on CUDA, single-tensor on CPU)
 
     @property
     def low(self) -> bool:
@@ -95,12 +96,20 @@ class MemoryTerms:
     head_grad: bool = True  # an LM head (tied or not) gets a dense fp32 V x h weight gradient in its backward
     head: list[Term] = field(default_factory=list)  # more terms alive in the LM head's backward (e.g. a head sketch)
     assumptions: list[str] = field(default_factory=list)  # printed among the plan's assumptions
+    dense_layer_grads: bool = True  # a decoder layer's weights get dense gradients (FSDP holds one layer's unsharded)
+    sketched_rows: int = 0  # Σ m of the weights synced as low-rank ops (m x r factors in the payload)
+    receiver_bytes: int = 0  # bytes per sketched element an engine keeps beside its weights (masters, compensations)
 
 
-def adamw_temporaries(ctx: PlanContext, biggest: int, precision: str | None = None) -> Term:
-    """CPU single-tensor AdamW: two temporaries the size of the largest tensor it steps (in the moments' dtype)."""
+def adamw_temporaries(ctx: PlanContext, biggest: int, precision: str | None = None, stepped: int = 0) -> Term:
+    """torch's AdamW temporaries in the moments' dtype: on CPU (single-tensor) two the size of the largest
+    tensor it steps; on CUDA (foreach) one the size of every ``stepped`` element: ``_foreach_sqrt`` of the
+    second moments (checked by reading torch's ``_multi_tensor_adamw``, not measured here)."""
+    if ctx.device == "cuda" and stepped:
+        return Term("activations", "AdamW temporaries (CUDA foreach)", stepped * ctx.moment_bytes(precision) // ctx.shard_optimizer,
+                    "_foreach_sqrt(exp_avg_sq): one temporary per stepped tensor, all at once (of its shard) - UNCHECKED on a GPU")
     return Term("activations", "AdamW temporaries", 2 * biggest * ctx.moment_bytes(precision) // ctx.shard_optimizer,
-                "two of the largest tensor (of its shard); CPU single-tensor AdamW - CUDA's foreach AdamW is UNCHECKED")
+                "two of the largest tensor (of its shard); CPU single-tensor AdamW")
 
 
 def master_gradients(ctx: PlanContext, elements: int) -> Term:

@@ -75,14 +75,17 @@ class _ChunkedHeadLogprob(torch.autograd.Function):
 
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                           chunk: int = 1024, softcap: float | None = None) -> torch.Tensor:
+                           chunk: int = 1024, softcap: float | None = None,
+                           state: SketchState | None = None) -> torch.Tensor:
     """log softmax(z)[targets], z = hidden Wᵀ (capped to c·tanh(z/c) with ``softcap`` = c), for
     hidden [..., d], weight [V, d], targets [...] -> [...] (fp32).
 
-    A weight that carries a ``sketch_state`` (a LoGRA-sketched embedding or head) gets its
-    gradient as a sketch; otherwise it gets an ordinary ``.grad``.
+    With a sketch ``state`` (a LoGRA-sketched embedding or head: the head module's ``sketch_state``),
+    or a weight that carries one, the weight's gradient arrives as a sketch; otherwise as an ordinary
+    ``.grad``. Pass the module's state where the weight may be another tensor than the one the sketch
+    was installed on (FSDP2 swaps an unsharded parameter into the module during its forward).
     """
-    state = getattr(weight, "sketch_state", None)
+    state = state if state is not None else getattr(weight, "sketch_state", None)
     shape = targets.shape
     out = _ChunkedHeadLogprob.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk, state,
                                     softcap)

@@ -150,3 +150,77 @@ def _reduce_scatter_rows(tensors, rows, out, idx, group) -> int:
         out[idx[j]] = mine[offset : offset + chunk * cols].view(chunk, *t.shape[1:])[:local_rows_j]
         offset += chunk * cols
     return buf.numel() * buf.element_size()
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0]))
+
+
+def all_gather_varying(t: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same trailing shape and dtype, any number of rows), in rank order: one
+    all-gather of the row counts, one of the tensors padded to the largest."""
+    world = dist.get_world_size(group)
+    count = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    sizes = [int(c) for c in counts]
+    padded = _pad_rows(t.contiguous(), max(sizes))
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [p[:n] for p, n in zip(parts, sizes)]
+
+
+def lookup_rows(local_part: torch.Tensor, like: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``whole[ids]`` of the row-sharded tensor of which ``local_part`` holds this rank's rows (laid out as
+    ``like``, :func:`local_rows`), without gathering it: the ranks' distinct ids are all-gathered, each
+    rank fills the rows it owns and one all-reduce sums them, so each rank receives (Σ_k |ids_k|) rows,
+    not m. Every rank of ``like``'s mesh must call it (with its own ids, any number)."""
+    rows = local_rows(like)
+    if rows is None:
+        return local_part[ids]
+    group = like.device_mesh.get_group()
+    flat = ids.reshape(-1).to(local_part.device)
+    distinct, inverse = torch.unique(flat, return_inverse=True)
+    parts = all_gather_varying(distinct, group)
+    union = torch.cat(parts)
+    values = torch.zeros(union.shape[0], *local_part.shape[1:], dtype=local_part.dtype, device=local_part.device)
+    mine = (union >= rows.start) & (union < rows.stop)
+    values[mine] = local_part[union[mine] - rows.start]
+    dist.all_reduce(values, group=group)
+    start = sum(p.shape[0] for p in parts[: dist.get_rank(group)])
+    return values[start : start + distinct.shape[0]][inverse].view(*ids.shape, *local_part.shape[1:])
+
+
+class RowShard:
+    """This rank's rows of a row-sharded [m, ...] tensor (an FSDP2 weight's, or a tensor laid out like
+    it: a low-rank factor D, a dense update Δ), standing in for the whole tensor where it is used:
+    :meth:`whole` gathers it (a collective), ``shard[ids]`` looks rows up (:func:`lookup_rows`, a
+    collective), :attr:`local` is this rank's part. ``like``: a DTensor with the layout."""
+
+    def __init__(self, local_part: torch.Tensor, like: torch.Tensor):
+        self.local, self.like = local_part, like
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.like.shape[0], *self.local.shape[1:]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    @property
+    def rows(self) -> Optional[slice]:
+        return local_rows(self.like)
+
+    def whole(self) -> torch.Tensor:
+        return gather_rows(self.local, self.like)
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        return lookup_rows(self.local, self.like, ids)
+
+
+def whole(t) -> torch.Tensor:
+    """``t`` itself, or the whole tensor a :class:`RowShard` or DTensor stands for (gathered)."""
+    if isinstance(t, RowShard):
+        return t.whole()
+    return t.full_tensor() if _is_dtensor(t) else t

@@ -150,10 +150,14 @@ def _decoder(model: nn.Module) -> nn.Module:
 
 def hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                   position_ids: Optional[torch.Tensor] = None, positions=None) -> torch.Tensor:
-    """Last hidden states h[positions] (T × d; all B·L positions when ``positions`` is None), no grad."""
-    with torch.no_grad():
-        out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+    """Last hidden states h[positions] (T × d; all B·L positions when ``positions`` is None), no grad; a
+    row-sharded model runs without gathering it whole (:func:`logra_core.layerwise.sharded_forward`)."""
+    from logra_core.layerwise import sharded_forward  # layerwise imports this module
+
+    decoder = _decoder(model)
+    with torch.no_grad(), sharded_forward(decoder):
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state
     return out.reshape(-1, out.shape[-1]) if positions is None else out[positions]
 
 
@@ -416,7 +420,9 @@ def streamed_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W
 
     no first-order terms left to cancel, so a tiny step's KL (≈ ½ Var(δ)) keeps its relative precision,
     which the difference of log-softmaxes loses. p's normalisation and the two sums are accumulated
-    block by block with a running maximum (the online softmax); the last combination is in fp64.
+    block by block with a running maximum (the online softmax, :func:`kl_stats`); the last combination
+    is in fp64 (:func:`kl_from_stats`). A vocabulary split over ranks (a row-sharded head) computes
+    :func:`kl_stats` on each rank's rows and merges them (:func:`merge_kl_stats`).
     ``softcap`` = c: both logits capped, z = c·tanh(u/c) (Gemma-2's final logits).
 
     Time and memory: each block of the head is read once per token chunk and stays in cache while the
@@ -428,6 +434,16 @@ def streamed_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W
     (where W + at·ΔW would round a small ΔW away) and for low-rank pieces ((h Aᵀ)·at Dᵀ, r columns) they
     enter as products of their own.
     """
+    return kl_from_stats(*kl_stats(h_old, W_old, h_new, W_new, chunk, softcap, pieces, at, block))
+
+
+def kl_stats(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W_new: torch.Tensor,
+             chunk: int = 256, softcap: Optional[float] = None, pieces: Sequence = (), at: float = 1.0,
+             block: int = VOCAB_BLOCK) -> tuple[torch.Tensor, ...]:
+    """The online-softmax sums of :func:`streamed_kl` over the vocabulary rows of ``W_old``/``W_new``
+    (and of the pieces): per token (m, s, a, b) with m the running maximum of z_old and, relative to
+    it, s = Σ_v e^{z_old,v − m}, a = Σ_v e^{z_old,v − m} δ_v, b = Σ_v e^{z_old,v − m} (expm1 δ_v − δ_v).
+    A token over no rows has m = −∞ and zero sums."""
     acc = _acc_dtype(h_old, W_old, h_new, W_new)
     wide = W_new.dtype in (torch.float32, torch.float64)  # W + at·ΔW keeps a small ΔW only in a wide dtype
     merged = [p for p in pieces if wide and isinstance(p, torch.Tensor)]
@@ -435,8 +451,10 @@ def streamed_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W
     V = W_new.shape[0]
     block = max(1, min(block, V))
     tokens = max(1, chunk * V // block)
-    out = torch.empty(h_old.shape[0], dtype=acc, device=h_old.device)
-    for i in range(0, h_old.shape[0], tokens):
+    T = h_old.shape[0]
+    m_all = torch.full((T,), -torch.inf, dtype=acc, device=h_old.device)
+    s_all, a_all, b_all = torch.zeros_like(m_all), torch.zeros_like(m_all), torch.zeros_like(m_all)
+    for i in range(0, T if V else 0, tokens):
         ho, hn = h_old[i : i + tokens].to(W_old.dtype), h_new[i : i + tokens].to(W_new.dtype)
         low = [(hn.to(p[1].dtype) @ p[1].t(), p[0]) for p in separate if not isinstance(p, torch.Tensor)]
         m = torch.full((ho.shape[0],), -torch.inf, dtype=acc, device=ho.device)
@@ -462,10 +480,31 @@ def streamed_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W
             a = a.mul_(rescale).add_(_rowdot(e, delta))
             b = b.mul_(rescale).add_(_rowdot(e, torch.expm1(delta).sub_(delta)))
             m = top
-        mu, beta = a.double() / s.double(), b.double() / s.double()
-        B = mu + beta
-        out[i : i + tokens] = (beta - (B - torch.log1p(B))).to(acc)
-    return out
+        m_all[i : i + tokens], s_all[i : i + tokens], a_all[i : i + tokens], b_all[i : i + tokens] = m, s, a, b
+    return m_all, s_all, a_all, b_all
+
+
+def merge_kl_stats(stats: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The (m, s, a, b) of the union of disjoint vocabulary parts, from each part's :func:`kl_stats`:
+    m = max_k m_k and each part's sums rescaled by e^{m_k − m} (a part with m_k = −∞ adds nothing)."""
+    m = torch.stack([st[0] for st in stats]).amax(0)
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    out = [m]
+    for idx in (1, 2, 3):
+        total = torch.zeros_like(m)
+        for st in stats:
+            w = torch.where(torch.isfinite(st[0]), torch.exp(st[0] - safe), torch.zeros_like(m))
+            total += st[idx] * w
+        out.append(total)
+    return tuple(out)
+
+
+def kl_from_stats(m: torch.Tensor, s: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-token KL = β − (B − log1p B) from the sums of :func:`kl_stats` (μ = a/s, β = b/s, B = μ + β),
+    in fp64, returned in the sums' dtype."""
+    mu, beta = a.double() / s.double(), b.double() / s.double()
+    B = mu + beta
+    return (beta - (B - torch.log1p(B))).to(m.dtype)
 
 
 def exact_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W_new: torch.Tensor,
@@ -473,5 +512,14 @@ def exact_kl(h_old: torch.Tensor, W_old: torch.Tensor, h_new: torch.Tensor, W_ne
     """Per-token KL(p_old ‖ p_new) = Σ_v p_old,v (log p_old,v − log p_new,v) [T] for z_old = h_old W_oldᵀ,
     z_new = h_new W_newᵀ: :func:`streamed_kl` (one pass over the vocabulary, a tiny step's KL in
     relative precision). ``softcap`` = c: both logits capped, z = c·tanh(h Wᵀ/c) (Gemma-2's final logits).
+    Row-sharded heads (DTensors, this rank's rows): vocabulary-parallel, a collective
+    (:func:`logra_core.layerwise.vocab_parallel_kl`).
     """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(W_new, DTensor):
+        from logra_core.layerwise import head_group, vocab_parallel_kl
+
+        old = W_old.to_local() if isinstance(W_old, DTensor) else W_old
+        return vocab_parallel_kl(h_old, old, h_new, W_new.to_local(), chunk, softcap, group=head_group(W_new))
     return streamed_kl(h_old, W_old, h_new, W_new, chunk, softcap)

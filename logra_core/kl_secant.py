@@ -15,9 +15,16 @@ the second-order prediction ignores anyway.
 
 The trial weights are never formed: a low-rank ΔW = D A adds ε·(x Aᵀ)Dᵀ to the output of every
 ``nn.Linear`` holding W (ε·D[ids] A for an ``nn.Embedding``), a dense Δ of an embedding adds
-ε·Δ[ids], other dense Δ (norms) enter ``torch.func.functional_call`` as p + εΔ (a copy of those small
-tensors). The head's logits are z = h Wᵀ + ε Σ_i g_i U_iᵀ (the update's pieces of a tied head,
+ε·Δ[ids], other dense Δ (norms) stand in for their parameter as p + εΔ while its module runs (a copy
+of those small tensors, :func:`logra_core.layerwise.substitute`). The head's logits are
+z = h Wᵀ + ε Σ_i g_i U_iᵀ (the update's pieces of a tied head,
 :func:`logra_core.kl_predictor.head_delta`), capped like the model's (Gemma-2's softcap).
+
+A row-sharded model (FSDP2) runs the same way without a whole copy of anything big
+(:mod:`logra_core.layerwise`): the update's factors and dense Δ arrive as
+:class:`logra_core.distributed.RowShard` (this rank's rows: a linear's D is gathered when its module
+runs, an embedding's rows are looked up), the decoder is called directly (FSDP2 unshards one layer at
+a time; the embedding's rows are looked up) and the head's sums run vocabulary-parallel.
 
 Precision: the logit difference is taken between two forwards in the model's dtype; in bf16 its
 rounding adds a bias of order ½Var(rounding noise of z) to K(ε) (docs/speed.md states the measured
@@ -31,8 +38,11 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from logra_core.distributed import whole
 from logra_core.kl_predictor import LowRank, _decoder, head_delta, owners_by_weight, streamed_kl
+from logra_core.layerwise import head_group, pieces_local, sharded_forward, substitute, vocab_parallel_kl
 from logra_core.shared_context import context_plan, shared_context_forward
 
 
@@ -46,13 +56,14 @@ def _add_rows(delta: torch.Tensor, at: float):
 def _add_lowrank(D: torch.Tensor, A: torch.Tensor, at: float, embedding: bool):
     """A forward hook adding at·(x Aᵀ) Dᵀ (an nn.Linear's input x) or at·D[ids] A (an nn.Embedding's) to the
     module's output in place: the scale goes on the r-column factor, the product is accumulated into the
-    output (one pass over it, no temporary of its size where the dtypes agree)."""
+    output (one pass over it, no temporary of its size where the dtypes agree). ``D`` may be a
+    RowShard: gathered (a linear's m × r) or looked up (an embedding's rows) when the module runs."""
     def hook(module, args, out):
         if embedding:
             g, U = D[args[0]].reshape(-1, D.shape[-1]).to(A.dtype), A
         else:
             x = args[0]
-            g, U = x.reshape(-1, x.shape[-1]).to(A.dtype) @ A.t(), D.to(A.dtype).t()
+            g, U = x.reshape(-1, x.shape[-1]).to(A.dtype) @ A.t(), whole(D).to(A.dtype).t()
         g.mul_(at)  # a fresh T × r tensor in both cases (an index gather, a product)
         flat = out.view(-1, out.shape[-1])
         if flat.dtype == U.dtype:
@@ -84,6 +95,7 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
     names_in_decoder = {id(p): n for n, p in decoder.named_parameters()}
     owners_of = owners_by_weight(decoder)
     with ExitStack() as stack, torch.no_grad():
+        stack.enter_context(sharded_forward(decoder))  # a row-sharded model: no whole embedding (first: its hooks run first)
         for name, (D, A) in lowrank.items():
             weight = model.get_submodule(name).weight
             owners = owners_of.get(id(weight), [])
@@ -92,7 +104,10 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
             for module in owners:
                 hook = _add_lowrank(D, A, at, isinstance(module, nn.Embedding))
                 stack.callback(module.register_forward_hook(hook).remove)
-        params = {}
+        holders = {}  # id(parameter) -> the modules holding it directly, with its name there
+        for m in decoder.modules():
+            for n, q in m.named_parameters(recurse=False):
+                holders.setdefault(id(q), []).append((m, n))
         for name, delta in dense.items():
             p = model.get_parameter(name)
             if p is head and id(p) not in names_in_decoder:
@@ -103,17 +118,25 @@ def trial_hidden_states(model: nn.Module, input_ids: torch.Tensor, attention_mas
             if embeddings and len(embeddings) == len(owners_of.get(id(p), [])):
                 for module in embeddings:  # ε·Δ[ids]: no copy of the vocabulary-sized table
                     stack.callback(module.register_forward_hook(_add_rows(delta, at)).remove)
-            else:
-                params[names_in_decoder[id(p)]] = p.detach() + at * delta.to(p.dtype)
+                continue
+            for module, local_name in holders[id(p)]:  # p + εΔ while the module runs
+                for handle in substitute(module, local_name, _plus(delta, at)):
+                    stack.callback(handle.remove)
         plan = context_plan(input_ids, attention_mask, position_ids, positions, getattr(model, "config", None)) \
             if share_context else None
         if plan is not None:
-            return shared_context_forward(decoder, input_ids, attention_mask, position_ids, positions, plan, params)
-        out = torch.func.functional_call(
-            decoder, params, args=(),
-            kwargs=dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=False)).last_hidden_state
+            return shared_context_forward(decoder, input_ids, attention_mask, position_ids, positions, plan)
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state
     return out.reshape(-1, out.shape[-1]) if positions is None else out[positions]
+
+
+def _plus(delta, at: float):
+    """The value p + at·Δ of a parameter p (as its module holds it when it runs) under a dense Δ (a
+    RowShard's rows gathered when it runs)."""
+    def value(current: torch.Tensor) -> torch.Tensor:
+        return current.detach() + at * whole(delta).to(current.dtype)
+    return value
 
 
 def shifted_kl(h_old: torch.Tensor, h_new: torch.Tensor, W: torch.Tensor, pieces: list, at: float = 1.0,
@@ -153,5 +176,10 @@ def trial_kl_terms(model: nn.Module, input_ids: torch.Tensor, attention_mask: Op
                                 share_context)
     if temperature != 1.0:
         h_old, h_new = h_old / temperature, h_new / temperature
-    kl = shifted_kl(h_old, h_new, head.weight.detach(), head_delta(model, lowrank, dense), at, chunk, softcap)
+    W, pieces = head.weight.detach(), head_delta(model, lowrank, dense)
+    if isinstance(W, DTensor):  # a row-sharded head: each rank sums its vocabulary rows for every rank's tokens
+        kl = vocab_parallel_kl(h_old, W.to_local(), h_new, W.to_local(), chunk, softcap, pieces_local(pieces), at,
+                               head_group(W))
+    else:
+        kl = shifted_kl(h_old, h_new, W, pieces, at, chunk, softcap)
     return kl / at**2

@@ -48,6 +48,12 @@ class ContextPlan:
     context_of_row: torch.Tensor  # [B] index into the U distinct contexts
 
     @property
+    def calls(self) -> int:
+        """How many decoder calls :func:`shared_context_forward` makes for this plan."""
+        B, (U, M), L = self.context_of_row.numel(), self.rest.shape, self.prefix.numel()
+        return (1 if L else 0) + (1 if M and U == B else (1 if M else 0) + 1)
+
+    @property
     def saved_fraction(self) -> float:
         """Share of the plain forward's token positions the split does not compute."""
         B = self.context_of_row.numel()

@@ -30,11 +30,17 @@ Buffers (masters or compensations, ``masters`` below) are created from the recei
 the first update, as the trainer creates its own; a full resync carries the trainer's. fp32 weights
 ignore the mode.
 
-Integrity: ``version`` counts applied steps, and ``checksum`` is a digest (:func:`digest`) of the trainer's
-tensors (and masters) that the payload touched, taken after the step. A receiver applies a payload
-only on top of ``version − 1`` and checks the digest of its own tensors afterwards; a gap or a
-mismatch makes :meth:`SyncReceiver.receive` return False, and the sender answers with a full
+Integrity: ``version`` counts applied steps, and ``checksum`` is a digest (:mod:`logra_core.digest`) of
+the trainer's tensors (and masters) that the payload touched, taken after the step, on the device
+where they live and shard by shard (a row-sharded sender sums its ranks' digests with one small
+all-reduce: no weight is gathered or copied to the host to be verified). A receiver applies a
+payload only on top of ``version − 1`` and checks the digest of its own tensors afterwards; a gap or
+a mismatch makes :meth:`SyncReceiver.receive` return False, and the sender answers with a full
 payload (every tensor and master). Nothing drifts silently.
+
+Values travel as a :class:`Streamed` mapping: each tensor is produced when the receiver (or a
+transport) reads it — cloned, or gathered from its shards — and dropped after use, so a full
+resync holds one extra tensor at a time, not a second model.
 
 Transport is the receiver's business: in process (call :meth:`SyncReceiver.receive`), to another
 process over a gloo :class:`Channel` (:func:`send_payload` / :func:`recv_payload`: a pickled
@@ -44,16 +50,17 @@ header, then each tensor), or into an inference engine.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import pickle
-import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from logra_core.digest import checksum, digests
+from logra_core.distributed import local, local_rows
 from logra_core.precision import merge_lowrank_, new_buffer, round_key
 from logra_core.sketch import projection
 
@@ -93,16 +100,37 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A digest of names and raw bytes, in the given order: CRC-32 of each tensor's bytes (any one-bit
-    or one-byte change alters it; about 2 GB/s here, under half of BLAKE2b's cost), hashed together with
-    the names by BLAKE2b. Guards against corruption and drift, not against an adversary."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in named:
-        t = t.detach().contiguous().cpu()
-        h.update(name.encode())
-        h.update(zlib.crc32(memoryview(t.view(torch.uint8).reshape(-1).numpy())).to_bytes(4, "little"))
-    return h.hexdigest()
+class Streamed(Mapping):
+    """Tensors by name, each made by ``fetch(name)`` when read (a clone, or a gather of its shards) and
+    not kept: iterating a full payload holds one extra tensor at a time. ``meta[name]`` = (shape,
+    dtype) answers sizes without fetching. Every rank of a sharded sender reads the names in the same
+    order (sorted), since a fetch may be a collective."""
+
+    def __init__(self, meta: dict[str, tuple], fetch: Callable[[str], torch.Tensor]):
+        self.meta, self._fetch = {n: meta[n] for n in sorted(meta)}, fetch
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.meta:
+            raise KeyError(name)
+        return self._fetch(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.meta)
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    """What the header says of a tensor: shape and dtype."""
+    return tuple(t.shape), t.dtype
+
+
+def _mapping_bytes(values: Mapping) -> int:
+    if isinstance(values, Streamed):
+        return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                   for shape, dtype in values.meta.values())
+    return sum(_nbytes(t) for t in values.values())
 
 
 @dataclass
@@ -110,14 +138,13 @@ class SyncPayload:
     version: int
     full: bool = False  # every tensor (a resync or the first sync); else a step's changes
     lowrank: dict[str, LowRankOp] = field(default_factory=dict)
-    values: dict[str, torch.Tensor] = field(default_factory=dict)
-    masters: dict[str, torch.Tensor] = field(default_factory=dict)  # masters / compensations (full payloads only)
+    values: Mapping[str, torch.Tensor] = field(default_factory=dict)  # a dict, or Streamed (fetched when read)
+    masters: Mapping[str, torch.Tensor] = field(default_factory=dict)  # masters / compensations (full payloads only)
     checksum: str = ""
 
     def nbytes(self) -> int:
         """Bytes of tensor data the payload carries."""
-        return (sum(op.nbytes() for op in self.lowrank.values()) + sum(_nbytes(t) for t in self.values.values())
-                + sum(_nbytes(t) for t in self.masters.values()))
+        return sum(op.nbytes() for op in self.lowrank.values()) + _mapping_bytes(self.values) + _mapping_bytes(self.masters)
 
     def touched(self) -> list[str]:
         return sorted(set(self.lowrank) | set(self.values))
@@ -130,19 +157,40 @@ def full_bytes(model: nn.Module) -> int:
 
 class _Tensors:
     """Parameters by name (a tied weight under its first name) and the buffers kept beside them
-    (fp32 masters or Kahan compensations, :mod:`logra_core.precision`)."""
+    (fp32 masters or Kahan compensations, :mod:`logra_core.precision`), with their digests.
+
+    A parameter may be a row shard (a DTensor: this rank holds some rows; a master holds the same
+    rows as a plain tensor): its digest is then this rank's share, which :meth:`reduce` sums over
+    the ranks (the identity here; a sharded sender overrides it)."""
 
     def __init__(self, model: nn.Module):
         self.params = {n: p for n, p in model.named_parameters()}
         self.masters: dict[str, torch.Tensor] = {}
 
-    def checksum(self, names: Iterable[str]) -> str:
-        items = []
+    def entries(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor, int, tuple]]:
+        """(digest key, the tensor held here, its first element's logical index, (global shape, dtype))."""
+        out = []
         for n in names:
-            items.append((n, self.params[n]))
+            p = self.params[n]
+            rows = local_rows(p)
+            offset = rows.start * (p[0].numel() if p.dim() > 1 else 1) if rows is not None else 0
+            out.append((n, local(p).detach(), offset, (tuple(p.shape), p.dtype)))
             if n in self.masters:
-                items.append((n + "@master", self.masters[n]))
-        return digest(items)
+                m = self.masters[n]
+                out.append((n + "@master", m, offset, (tuple(p.shape), m.dtype)))
+        return out
+
+    def reduce(self, sums: torch.Tensor) -> torch.Tensor:
+        return sums
+
+    def checksum(self, names: Iterable[str]) -> str:
+        entries = self.entries(names)
+        sums = self.reduce(digests((key, t, offset) for key, t, offset, _ in entries))
+        return checksum([e[0] for e in entries], sums, {e[0]: e[3] for e in entries})
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
 
 
 class SyncSender:
@@ -153,22 +201,37 @@ class SyncSender:
         self.tensors = _Tensors(model)
         self.version = 0
 
+    def whole(self, name: str) -> torch.Tensor:
+        """A standalone copy of parameter ``name`` as a receiver holds it (whole)."""
+        return _clone(self.tensors.params[name])
+
+    def whole_master(self, name: str) -> torch.Tensor:
+        return _clone(self.tensors.masters[name])
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every sender of this sync accepted (one process: ``ok``); a sharded sender's ranks
+        must resync together, since a full payload is a collective."""
+        return ok
+
     def delta(self, lowrank: dict[str, LowRankOp], changed: Iterable[str], masters: dict[str, torch.Tensor]) -> SyncPayload:
         """The payload of one applied step: its low-rank ops and the new values of ``changed`` tensors."""
         self.version += 1
         self.tensors.masters = dict(masters)
-        values = {n: self.tensors.params[n].detach().clone() for n in changed if n not in lowrank}
+        plain = [n for n in changed if n not in lowrank]
+        values = Streamed({n: _meta(self.tensors.params[n]) for n in plain}, self.whole)
         payload = SyncPayload(self.version, lowrank=dict(lowrank), values=values)
         payload.checksum = self.tensors.checksum(payload.touched())
         return payload
 
     def full(self, masters: Optional[dict[str, torch.Tensor]] = None) -> SyncPayload:
-        """Every parameter and master at the current version."""
+        """Every parameter and master at the current version, streamed (one tensor made at a time)."""
         if masters is not None:
             self.tensors.masters = dict(masters)
+        params = self.tensors.params
         payload = SyncPayload(self.version, full=True,
-                              values={n: p.detach().clone() for n, p in self.tensors.params.items()},
-                              masters={n: m.detach().clone() for n, m in self.tensors.masters.items()})
+                              values=Streamed({n: _meta(p) for n, p in params.items()}, self.whole),
+                              masters=Streamed({n: (tuple(params[n].shape), m.dtype) for n, m in self.tensors.masters.items()},
+                                               self.whole_master))
         payload.checksum = self.tensors.checksum(payload.touched())
         return payload
 
@@ -189,6 +252,8 @@ class SyncReceiver:
             return self._verify(payload)
         if self.version is None or payload.version != self.version + 1:
             self.last_error = f"version gap: have {self.version}, payload {payload.version}"
+            for _ in payload.values.values():  # read and dropped: a sharded sender's ranks gather them together
+                pass
             return False
         params, masters = self.tensors.params, self.tensors.masters
         for name, op in payload.lowrank.items():
@@ -204,9 +269,20 @@ class SyncReceiver:
         return self._verify(payload)
 
     def _load_full(self, payload: SyncPayload) -> None:
+        """Every tensor in place, one at a time (a streamed payload makes each when read); a master
+        is copied into the buffer already kept, else the received one is kept."""
         for name, value in payload.values.items():
             self.tensors.params[name].copy_(value)
-        self.tensors.masters = {n: m.detach().clone() for n, m in payload.masters.items()}
+            del value
+        masters = self.tensors.masters
+        for name in [n for n in masters if n not in payload.masters]:
+            del masters[name]
+        for name, value in payload.masters.items():
+            if name in masters and masters[name].shape == value.shape and masters[name].dtype == value.dtype:
+                masters[name].copy_(value)
+            else:
+                masters[name] = value.detach().clone() if not isinstance(payload.masters, Streamed) else value
+            del value
         self.version = payload.version
 
     def _verify(self, payload: SyncPayload) -> bool:
@@ -250,14 +326,17 @@ class Channel:
         return pickle.loads(self.recv_tensor((n,), torch.uint8).numpy().tobytes())
 
 
+def _metas(values: Mapping) -> dict[str, tuple]:
+    return dict(values.meta) if isinstance(values, Streamed) else {n: _meta(t) for n, t in values.items()}
+
+
 def send_payload(payload: SyncPayload, channel: Channel) -> None:
-    """A pickled header (names, shapes, dtypes, specs), then every tensor of the payload."""
+    """A pickled header (names, shapes, dtypes, specs), then every tensor of the payload, one at a time."""
     header = SyncPayload(
         payload.version, payload.full,
         lowrank={n: replace(op, left=_meta(op.left), basis=None if op.basis is None else _meta(op.basis))
                  for n, op in payload.lowrank.items()},
-        values={n: _meta(t) for n, t in payload.values.items()},
-        masters={n: _meta(t) for n, t in payload.masters.items()}, checksum=payload.checksum)
+        values=_metas(payload.values), masters=_metas(payload.masters), checksum=payload.checksum)
     channel.send_obj(header)
     for t in _tensors_of(payload):
         channel.send_tensor(t)
@@ -276,18 +355,14 @@ def recv_payload(channel: Channel) -> SyncPayload:
     return header
 
 
-def _tensors_of(payload: SyncPayload) -> list[torch.Tensor]:
-    out = []
+def _tensors_of(payload: SyncPayload) -> Iterator[torch.Tensor]:
+    """The payload's tensors in the order :func:`recv_payload` reads them, made one at a time."""
     for name in sorted(payload.lowrank):
         op = payload.lowrank[name]
-        out.append(op.left)
+        yield op.left
         if op.basis is not None:
-            out.append(op.basis)
-    out += [payload.values[n] for n in sorted(payload.values)]
-    out += [payload.masters[n] for n in sorted(payload.masters)]
-    return out
-
-
-def _meta(t: torch.Tensor) -> tuple:
-    """What the header says of a tensor: shape and dtype."""
-    return tuple(t.shape), t.dtype
+            yield op.basis
+    for n in sorted(payload.values):
+        yield payload.values[n]
+    for n in sorted(payload.masters):
+        yield payload.masters[n]

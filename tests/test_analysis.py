@@ -320,10 +320,13 @@ def test_cli_writes_every_table_and_figure(root, tmp_path, capsys):
         src = (out / "tables" / f"{name}.tex").read_text()
         assert src.isascii() and r"\begin{tabular}" in src and src.count(r"\\") >= 3
         assert src.count("{") == src.count("}")
-    # the one table without its input here: no variant ran both with and without step control
+    # the tables without their input here: no variant ran both with and without step control, and no run
+    # has the seed study's configuration
     skipped = [line for line in printed.splitlines() if "skipped table" in line or "skipped figure" in line]
     assert skipped == ["[analysis] skipped table control: no variant was run both with and without step control "
-                       "(step_control.enabled=false)"], skipped
+                       "(step_control.enabled=false)",
+                       "[analysis] skipped table seed_study: no dense and logra runs of the seed study's configuration "
+                       "(experiments/sweeps/cpu_seeds.yaml)"], skipped
     assert "crashed: no metrics yet" in printed
     csv = (out / "tables" / "runs.csv").read_text().splitlines()
     assert len(csv) == 1 + 19 * (STEPS + 1) and "reward/mean" in csv[0]

@@ -27,6 +27,8 @@ LOGRA = ["method=logra", "logra.rank=8", "logra.lr=1e-3"]
 DENSE = ["method=dense", "dense.lr=1e-3"]
 FSDP2_LOGRA = ["step_control.target_kl=1e-4", "step_control.measure_realized=true", "train.logprob_chunk=64",
                "step_control.probe_fraction=1"]  # every row probed: 1 and 2 processes see the same probe
+# every rank profiled, with a reference model to load; a wider tiny-llama, so one block read at a time is small beside a shard
+MEM = ["log.memory_profile=true", "train.kl_coef=0.01", "train.steps=2", "model.tiny_hidden_size=128"]
 
 
 def _torchrun_cmd(runs: list[list[str]]):
@@ -73,33 +75,45 @@ def runs(tmp_path_factory):
         # step control on and binding (scale < 1), the chunked LM head, an engine copy per rank
         "logra_fsdp2": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "rollout.engine=hf"],
         "logra_fsdp2_6": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "train.steps=6"],  # uninterrupted: test_fsdp2_sigterm_resume
+        # the tied head's share of the embedding sketch lands (the head module's sketch, not the swapped-in weight's)
+        "logra_fsdp2_emb": [*LOGRA, *FSDP2_LOGRA, "logra.embeddings=true", "dist.strategy=fsdp2"],
+        # a bit of rank 1's q_proj shard flipped before the sync after step 2: caught by the digest, healed
+        "logra_fsdp2_corrupt": {"overrides": [*LOGRA, *FSDP2_LOGRA, "dist.strategy=fsdp2", "rollout.engine=hf"],
+                                "corrupt": [2, 1]},
+        # every rank profiles its tensors: the load (policy and reference model), the prediction
+        "logra_fsdp2_mem": [*LOGRA, *FSDP2_LOGRA, *MEM, "dist.strategy=fsdp2", "rollout.engine=hf"],
         # known per-problem outcomes, 5 problems over 2 ranks (3 + 2 and one padding): test_eval_outcomes_of_every_rank
         "marked_ddp": [*DENSE, "dist.strategy=ddp", "task=toy_marked", "train.steps=1", "eval.every=1", "eval.size=5",
                        "eval.batch_size=2"],
     }
-    torchrun([[*BASE, f"out_dir={root / name}", *args] for name, args in cases.items()])
+    torchrun([{**args, "overrides": [*BASE, f"out_dir={root / name}", *args["overrides"]]} if isinstance(args, dict)
+              else [*BASE, f"out_dir={root / name}", *args] for name, args in cases.items()])
     one_process(root / "logra_1", *LOGRA)
     one_process(root / "logra_1_fsdp2_ref", *LOGRA, *FSDP2_LOGRA)
+    one_process(root / "logra_1_emb", *LOGRA, *FSDP2_LOGRA, "logra.embeddings=true")
+    one_process(root / "logra_1_mem", *LOGRA, *FSDP2_LOGRA, *MEM)
     one_process(root / "dense_1", *DENSE)
     return root
 
 
 @pytest.mark.parametrize("two, one", [("logra_ddp", "logra_1"), ("dense_ddp", "dense_1"),
-                                      ("dense_fsdp2", "dense_1"), ("logra_fsdp2", "logra_1_fsdp2_ref")])
+                                      ("dense_fsdp2", "dense_1"), ("logra_fsdp2", "logra_1_fsdp2_ref"),
+                                      ("logra_fsdp2_emb", "logra_1_emb")])
 def test_two_ranks_equal_one(runs, two, one):
     """Same global batch (2 prompt groups: one per rank vs both in one process) -> same weights after 3 steps.
     logra_fsdp2: predicted-KL step control on the sharded model (binding: scales < 1), the chunked LM
-    head and an hf engine copy per rank, against one process with step control and the chunked head."""
+    head and an hf engine copy per rank, against one process with step control and the chunked head;
+    logra_fsdp2_emb: the same with the tied embedding/head sketched (the head's sketch share included)."""
     assert_same_weights(runs / two, runs / one)
     m2, m1 = read_metrics(runs / two), read_metrics(runs / one)
     assert [m["step"] for m in m2] == [1, 2, 3]
     for key in ("reward/mean", "rollout/trained_seqs", "rollout/trained_tokens"):  # rollouts identical
         assert [m[key] for m in m2] == [m[key] for m in m1], key
-    keys = ("loss/policy", "step/grad_norm") + (("step/scale", "kl/predicted", "kl/realized") if two == "logra_fsdp2" else ())
+    keys = ("loss/policy", "step/grad_norm") + (("step/scale", "kl/predicted", "kl/realized") if two.startswith("logra_fsdp2") else ())
     for key in keys:
         assert [m[key] for m in m2] == pytest.approx([m[key] for m in m1], rel=1e-4, abs=1e-7), key
     assert sum(m["rollout/trained_seqs"] for m in m2) > 0  # something was trained
-    if two == "logra_fsdp2":
+    if two.startswith("logra_fsdp2"):
         assert all(m["step/scale"] < 1 for m in m2 if m["rollout/trained_seqs"])  # the control acted
 
 
@@ -115,6 +129,63 @@ def test_fsdp2_engine_copies_equal_trainer(runs, name):
         assert [r["full"] for r in rows] == [True] + [False] * updates  # the initial full sync, then one per update
         assert all(r["equal"] for r in rows), rows
         assert all(r.get("sync/resyncs", 0) == 0 for r in rows)
+
+
+def test_fsdp2_digest_catches_a_corrupted_shard(runs):
+    """A flipped bit in rank 1's shard of a sketched weight: the step's payload (a low-rank op) applies
+    cleanly on every engine copy, but the digest summed over the ranks' shards no longer matches, so
+    every rank resyncs once (together: a full payload is a collective) and every copy is again
+    torch.equal to the trainer's gathered weights."""
+    for rank in (0, 1):
+        rows = [json.loads(line) for line in (runs / "logra_fsdp2_corrupt" / f"engine_check_rank{rank}.jsonl").read_text().splitlines()]
+        assert [r.get("sync/resyncs", 0) for r in rows] == [0, 0, 1, 0], rows
+        assert all(r["equal"] for r in rows), rows
+
+
+def _profile(run_dir, rank: int) -> list[dict]:
+    name = "memory_profile.jsonl" if rank == 0 else f"memory_profile_rank{rank}.jsonl"
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def _extra(rows: list[dict], phase: str) -> float:
+    """The most a phase held beyond what was alive when it began, over the profiled steps."""
+    return max(r[f"mem/{phase}/peak_bytes"] - r[f"mem/{phase}/start_bytes"] for r in rows if f"mem/{phase}/peak_bytes" in r)
+
+
+def _tiny_bytes() -> tuple[int, int]:
+    """(the MEM runs' tiny-llama's parameter bytes, one decoder layer's)."""
+    from experiments.rl.models import load_model
+
+    m, _ = load_model(build_config([*BASE, *MEM, "out_dir=unused"]).model)
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    return total, sum(p.numel() * p.element_size() for p in m.model.layers[0].parameters())
+
+
+def test_fsdp2_loads_no_whole_model(runs):
+    """Sharded materialization (experiments/rl/materialize.py): on each of 2 ranks the load of the
+    policy — and then of the reference model — peaks at its shards plus small state, ≤ 0.6 × the whole
+    model's bytes (loading the whole model on every rank and sharding it after held 1.0 ×)."""
+    whole, _ = _tiny_bytes()
+    for rank in (0, 1):
+        init = _profile(runs / "logra_fsdp2_mem", rank)[0]
+        assert init["step"] == 0
+        assert 0.4 * whole < init["mem/init/peak_bytes"] <= 0.6 * whole, (init, whole)
+        assert _extra([init], "init_reference") <= 0.6 * whole, (init, whole)
+
+
+def test_fsdp2_prediction_rides_the_layer_gather(runs):
+    """Step control under fsdp2 never gathers the model: ``full_weights`` is not entered in the whole run
+    (rollouts and evaluation on the hf engine copies, the KL prediction and the realized KL layer by
+    layer), and on each rank the prediction phase holds at most what one process's prediction holds
+    beyond its start (the probe's activations, the vocabulary sums) plus two whole decoder layers — the
+    earlier whole-weight gather added every layer and the vocabulary table on top."""
+    _, layer = _tiny_bytes()
+    one = _extra(_profile(runs / "logra_1_mem", 0), "kl_predict")
+    for rank in (0, 1):
+        assert json.loads((runs / "logra_fsdp2_mem" / f"full_weights_rank{rank}.json").read_text())["calls"] == 0
+        assert json.loads((runs / "logra_fsdp2" / f"full_weights_rank{rank}.json").read_text())["calls"] == 0
+        two = _extra(_profile(runs / "logra_fsdp2_mem", rank), "kl_predict")
+        assert two <= one + 2 * layer, (rank, two, one, layer)
 
 
 def test_eval_outcomes_of_every_rank(runs):
@@ -183,12 +254,19 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="use rollout.engine=shared"):
         strategy.check(build_config([*BASE, *DENSE, "rollout.engine=hf", f"out_dir={tmp_path}"]), METHODS["dense"])
     fsdp = FSDP2.__new__(FSDP2)
-    fsdp.world_size = 2
+    fsdp.world_size, fsdp.distributed = 2, False
     # step control, the chunked head and engine copies run under fsdp2 (test_two_ranks_equal_one)
     fsdp.check(build_config([*BASE, *LOGRA, "train.logprob_chunk=256", "rollout.engine=hf", f"out_dir={tmp_path}"]),
                METHODS["logra"])
     with pytest.raises(ValueError, match="inside backward"):
         fsdp.check(build_config([*BASE, "method=galore_layerwise", f"out_dir={tmp_path}"]), METHODS["galore_layerwise"])
+    fsdp.distributed = True  # what a sharded load or a sharded prediction cannot do
+    with pytest.raises(ValueError, match="no sharded initializer"):
+        fsdp.check(build_config([*BASE, "method=lora", f"out_dir={tmp_path}"]), METHODS["lora"])
+    with pytest.raises(ValueError, match="predictor='exact' is not supported under dist.strategy=fsdp2"):
+        fsdp.check(build_config([*BASE, *LOGRA, "step_control.predictor=exact", f"out_dir={tmp_path}"]), METHODS["logra"])
+    fsdp.check(build_config([*BASE, *LOGRA, f"out_dir={tmp_path}"]), METHODS["logra"])  # the secant, the default
+    fsdp.distributed = False
     # deepspeed: resume=true (the launcher passes it to every run) starts a fresh run; a run with a checkpoint is refused
     run = tmp_path / "run"
     ds = DeepSpeed.__new__(DeepSpeed)

@@ -356,8 +356,10 @@ def test_dry_run_prints_the_planners_prediction_per_job(tmp_path, monkeypatch, c
     seen = []
 
     class FakePlan:
-        categories = {"params": 2**30, "optimizer": 2**31}
-        total_bytes, capacity_bytes, fits = 3 * 2**30, 80 * 2**30, True
+        total_bytes, capacity_bytes, fits, peak_phase, engine = 3 * 2**30, 80 * 2**30, True, "fwd_bwd", []
+
+        def phase_bytes(self):
+            return {"init": 2**30, "fwd_bwd": 3 * 2**30}
 
     def plan(model, method, **kw):
         seen.append((model, method, kw))
@@ -370,11 +372,12 @@ def test_dry_run_prints_the_planners_prediction_per_job(tmp_path, monkeypatch, c
                                    "planner": {"gpu_mem_gb": 80, "seq_len": 512, "models": {"Org/Big-Model": "qwen2.5-7b"}}})
     assert launch.main([f"sweep={sweep}", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.count("planned 3.0 / 80 GiB per GPU, fits (params 1.0, optimizer 2.0 GiB)") == 3
+    assert out.count("planned peak 3.0 / 80 GiB per GPU in fwd_bwd, fits; per phase (GiB): init 1.0, fwd_bwd 3.0") == 3
     assert [(m, meth) for m, meth, _ in seen] == [("qwen2.5-7b", "dense"), ("qwen2.5-7b", "logra"), ("qwen2.5-7b", "lora")]
     kw = seen[1][2]
     assert kw["gpus"] == 8 and kw["micro_batch"] == 2 and kw["seq_len"] == 512 and kw["gpu_mem_gb"] == 80
     assert kw["dtype"] == "bf16" and kw["rank"] == 64 and seen[2][2]["rank"] == 16  # logra.rank, lora.r defaults
+    assert kw["step_control"] and not seen[0][2]["step_control"]  # logra's default, not dense's
 
 
 def test_a_resumed_run_keeps_its_saved_values_of_keys_outside_the_hash(tmp_path):

@@ -19,6 +19,9 @@ ALLOWED = {
     ("analysis/memory.py", "dense"): "the memory table's reference row for the reduction column",
     ("analysis/steptime.py", "dense"): "the time table's reference row for the 'x dense' columns",
     ("experiments/time_table.py", "dense"): "the time table's reference row for its x_dense column",
+    **{("analysis/names.py", name): "each method's readable name in tables and figures (a reporting choice, not "
+       "dispatch; Method.display_name in baselines/ would own it)"
+       for name in ("dense", "logra", "galore", "lora", "galore_layerwise")},
 }
 
 

@@ -106,4 +106,6 @@ def test_trainer_writes_the_profile(tmp_path, method):
         assert max(r[k] for k in phases) == r["mem/tensor_peak_bytes"]
         assert r["mem/params_bytes"] == sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     lines = [json.loads(l) for l in open(tmp_path / "r" / "memory_profile.jsonl")]
-    assert [l["step"] for l in lines] == [r["step"] for r in rows] == [1, 2]  # the metrics step numbers
+    assert [l["step"] for l in lines[1:]] == [r["step"] for r in rows] == [1, 2]  # the metrics step numbers
+    params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert lines[0]["step"] == 0 and lines[0]["mem/init/peak_bytes"] >= params  # the load, before step 1

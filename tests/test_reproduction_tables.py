@@ -294,7 +294,16 @@ def variant_of(runs, setting, kind):
 
 
 def test_interval_table_matches_the_counts(cpu_runs):
+    """Without per-problem outcomes a cell's interval is the per-seed accuracies' t-interval with a
+    binomial problem term: mean ± t_2(0.975) · √(s²/3 + p̄(1 − p̄)/500), t_2(0.975) = 4.302653 (any t
+    table); Δ's unpaired interval combines two: ± 4.302653 · √(V_a + V_b)."""
+    t2 = 4.302653
     data = intervals.table(cpu_runs).data
+
+    def variance(counts):
+        accs = [k / PROBLEMS for k in counts]
+        return statistics.variance(accs) / 3 + statistics.mean(accs) * (1 - statistics.mean(accs)) / PROBLEMS
+
     for (setting, kind), counts in CPU_FINAL.items():
         task = "arith digits=3" if setting == "digits3" else "arith digits=2"
         r = data[(data["task_label"] == task) & (data["variant"] == variant_of(cpu_runs, setting, kind))].iloc[0]
@@ -302,16 +311,18 @@ def test_interval_table_matches_the_counts(cpu_runs):
         dense = statistics.mean(k / PROBLEMS for k in CPU_FINAL[(setting, "dense")])
         assert r.seeds == 3 and r.end_mean == pytest.approx(statistics.mean(accs))
         assert r.end_std == pytest.approx(statistics.stdev(accs))
-        assert r.ci_low < r.end_mean < r.ci_high and r.ci_high - r.ci_low < 0.12
+        half = t2 * math.sqrt(variance(counts))
+        assert (r.ci_low, r.ci_high) == pytest.approx((r.end_mean - half, r.end_mean + half), abs=1e-6)
         if kind == "dense":
             assert math.isnan(r.delta) and r.verdict == ""
             continue
         assert r.delta == pytest.approx(statistics.mean(accs) - dense)
-        assert r.delta_low < r.delta < r.delta_high
+        half = t2 * math.sqrt(variance(counts) + variance(CPU_FINAL[(setting, "dense")]))
+        assert (r.delta_low, r.delta_high) == pytest.approx((r.delta - half, r.delta + half), abs=1e-6)
     emb = data[data["variant"] == variant_of(cpu_runs, "arith", "emb")].iloc[0]
     logra = data[(data["variant"] == variant_of(cpu_runs, "arith", "logra")) & (data["task_label"] == "arith digits=2")].iloc[0]
     assert emb.delta_high < -0.05 and emb.verdict == "no"  # 20 points below
-    assert logra.delta_low > -0.05 and logra.verdict == "yes"  # equal: the interval stays above −5 pp
+    assert logra.verdict == "undecided"  # equal means, but unpaired over 3 seeds the interval reaches past −5 pp
 
 
 def _row(data, runs, setting, kind):
@@ -335,9 +346,9 @@ def paired_runs(tmp_path_factory):
 def test_paired_interval_is_narrower_on_correlated_outcomes(cpu_runs, paired_runs):
     """The same counts as the unpaired root, now with outcomes where both methods solve mostly the same
     problems: the same Δ, every interval paired and narrower — logra's (Δ of −2, +1, +1 problems per
-    seed) to a fraction."""
+    seed) to a fraction, deciding "yes" where the unpaired one could not."""
     unpaired, table = intervals.table(cpu_runs).data, intervals.table(paired_runs)
-    assert any(n.startswith("Δ's 95 % interval: paired bootstrap") for n in table.notes)
+    assert any(n.startswith("Δ's 95 % interval: paired:") for n in table.notes)
     for (setting, kind) in CPU_FINAL:
         if kind == "dense":
             continue
@@ -406,14 +417,14 @@ def test_paired_falls_back_to_unpaired_for_a_cell_missing_outcomes(tmp_path):
     assert emb.pairing.startswith("unpaired: runs/arith-emb-s2-") and "500 of 500 correct, its metrics 290 of 500" in emb.pairing
     assert _row(table.data, runs, "arith", "logra").pairing == "paired"
     note = next(n for n in table.notes if n.startswith("Δ's 95 % interval"))
-    assert "paired bootstrap" in note and "for arith digits=2 logra" in note and "the others unpaired" in note
+    assert "paired: the crossed t-interval" in note and "for arith digits=2 logra" in note and "the others unpaired" in note
 
 
 def test_memory_accuracy_points_pair_each_variant_with_its_memory_row(cpu_root, cpu_runs):
     from analysis.load import load_memory_csv
 
     data, source = tradeoff.points(load_memory_csv(cpu_root), cpu_runs)
-    assert source == "memory.csv"
+    assert source == "memory/memory.csv"
     x = {(r.task_label, r.variant): r.x_dense for r in data.itertuples()}
     assert x[("arith digits=2", variant_of(cpu_runs, "arith", "dense"))] == pytest.approx(1.0)
     assert x[("arith digits=2", variant_of(cpu_runs, "arith", "logra"))] == pytest.approx(0.6)

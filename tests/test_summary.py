@@ -23,7 +23,7 @@ def test_summary_of_a_fixture_run(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = summarize(run)
     assert (s["steps"], s["eval@start"], s["eval@end"], s["median s/step"], s["peak RSS GiB"]) == (3, "0.10", "0.45", "20.0", "3.00")
-    assert s["eval steps"] == "0:0.10 2:0.45" and s["git sha"] == "abcdef123456" and s["seed"] == 3
+    assert s["eval steps"] == "0:0.10 2:0.45" and s["git sha"] == "abcdef1234567890" and s["seed"] == 3  # the sha whole
     main([str(run), "--out", str(tmp_path / "s.md")])
     assert "| r1 | dense | arith | 3 | 3 |" in capsys.readouterr().out
     assert (tmp_path / "s.md").read_text().count("\n") == 3

@@ -242,3 +242,69 @@ def test_hf_process_refuses_a_trainer_off_cpu():
     on_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda", 0))]))
     with pytest.raises(ValueError, match="hf_process.*CPU.*checksum"):
         build_engine(RolloutConfig(engine="hf_process"), on_cuda, tokenizer=None, factory=lambda: None)
+
+
+# ---- what verifying a sync costs: digests on the device, one tensor at a time -----------------------
+def _host_bytes(monkeypatch) -> list[int]:
+    """Count the bytes of every tensor read to the host (``.cpu``, ``.numpy``, ``.tolist``, ``.item``, or
+    ``.to`` a CPU device from another) from now on — on this CPU-only machine, the calls that on a GPU
+    would copy to the host; returns the list the counts are appended to."""
+    moved = []
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            to_host = any(str(a).startswith("cpu") for a in (*args, kwargs.get("device", ""))) and self.device.type != "cpu"
+            if name != "to" or to_host:
+                moved.append(self.numel() * self.element_size())
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    for name in ("cpu", "numpy", "tolist", "item", "to"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    return moved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sync_moves_no_weight_to_the_host_to_verify(monkeypatch, dtype):
+    """Every sketched weight (and, in bf16, its fp32 master) is touched by a LoGRA step, yet building,
+    applying and verifying the payload reads only the digests to the host: 8 bytes per digested tensor
+    on each side (the old check copied every touched tensor and master to the host to CRC it)."""
+    model, engine_model, opt, sender, receiver = synced_pair(dtype, "default")
+    logra_step(model, opt, 0)
+    moved = _host_bytes(monkeypatch)
+    payload = deliver(opt, sender)
+    assert receiver.receive(payload), receiver.last_error
+    monkeypatch.undo()
+    digested = len(payload.touched()) + len(opt.masters())
+    assert len(payload.lowrank) >= 14 and (dtype == torch.float32 or opt.masters())
+    assert sum(moved) <= 2 * 8 * digested and max(moved) <= 8 * digested, moved
+
+
+def test_a_full_resync_holds_one_extra_tensor_at_a_time():
+    """A full payload streams: each tensor (and master) is made when the receiver reads it and dropped
+    after, so a resync's extra peak is one tensor plus the digest's work buffer — not a second model."""
+    from logra_core.digest import BLOCK, GROUP_BLOCKS
+    from experiments.memory.profiler import MemoryProfiler
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(6)])
+    engine_model = copy.deepcopy(model).requires_grad_(False)
+    masters = {n: p.detach().double() for n, p in list(model.named_parameters())[:2]}  # 8 MiB each
+    sender, receiver = SyncSender(model), SyncReceiver(engine_model)
+    assert receiver.receive(sender.full(masters))  # the first sync: the receiver now keeps masters too
+    with torch.no_grad():
+        for p in engine_model.parameters():
+            p.mul_(0.5)  # drifted: the resync must rewrite everything
+    profiler = MemoryProfiler(torch.nn.Module())
+    with profiler:
+        profiler.register([*model.parameters(), *engine_model.parameters(), *masters.values(),
+                           *receiver.tensors.masters.values()])
+        before = profiler.current
+        assert receiver.receive(sender.full(masters))
+    largest = max(t.numel() * t.element_size() for t in [*model.parameters(), *masters.values()])
+    extra = profiler.peak - before
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert extra <= largest + 4 * GROUP_BLOCKS * BLOCK + (1 << 16), (extra, largest)
+    assert extra < 0.5 * whole
+    assert_equal_models(model, engine_model)

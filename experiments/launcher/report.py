@@ -40,45 +40,31 @@ def plan_memory(run: Run, sweep: Sweep, launcher: dict) -> str:
     kwargs.setdefault("micro_batches", max(1, -(-int(per_gpu) // int(cfg.train.micro_batch_size))))
     kwargs.setdefault("logprob_chunk", int(cfg.train.logprob_chunk))
     kwargs.setdefault("gradient_checkpointing", bool(cfg.model.gradient_checkpointing))
+    kwargs.setdefault("engine", {"vllm": "vllm", "hf": "hf", "hf_process": "none"}.get(cfg.rollout.engine, "shared"))
+    kwargs.setdefault("reference_model", float(cfg.train.kl_coef) > 0)  # a frozen copy for the KL penalty
+    control = cfg.get("step_control", {}).get("enabled")
+    kwargs.setdefault("step_control", METHODS[cfg.method].step_control_default if control is None else bool(control))
     try:
         p = plan(models.get(cfg.model.name, cfg.model.name), cfg.method, **kwargs)
     except Exception as e:  # noqa: BLE001  (a dry run reports, it does not stop)
         return f"memory plan failed: {type(e).__name__}: {e}"
+    return plan_line(p)
+
+
+def plan_line(p) -> str:
+    """The plan in one line: the peak phase, every phase's GiB per GPU, and the engine as built."""
     gib = 2**30
-    cats = ", ".join(f"{k} {v / gib:.1f}" for k, v in p.categories.items())
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    line = f"planned {p.total_bytes / gib:.1f} / {p.capacity_bytes / gib:.0f} GiB per GPU, {verdict} ({cats} GiB)"
-    if kwargs.get("sharding") == "fsdp" and gpus > 1:
-        line += fsdp2_note(run, p, models.get(cfg.model.name, cfg.model.name), kwargs, gpus)
+    phases = ", ".join(f"{name} {v / gib:.1f}" + ("" if v <= p.capacity_bytes else " (DOES NOT FIT)")
+                       for name, v in p.phase_bytes().items())
+    line = (f"planned peak {p.total_bytes / gib:.1f} / {p.capacity_bytes / gib:.0f} GiB per GPU in {p.peak_phase}, "
+            f"{verdict}; per phase (GiB): {phases}")
+    if p.engine:
+        need = sum(t.nbytes for t in p.engine)
+        line += (f"; rollout engine as built {need / gib:.1f} GiB in its {p.engine_share / gib:.1f} GiB share: "
+                 + ("fits" if p.engine_fits else "DOES NOT FIT") + " ("
+                 + ", ".join(f"{t.name} {t.nbytes / gib:.1f}" for t in p.engine) + ")")
     return line
-
-
-def fsdp2_note(run: Run, p, model, kwargs: dict, gpus: int) -> str:
-    """What the planner's fsdp sharding does not model for a dist.strategy=fsdp2 job (docs/distributed.md):
-    an engine copy per rank holds the whole weights (tensor_parallel_size=1), and step control predicts
-    on the weights gathered whole (FSDP2.predict_kl), after backward's activations are freed."""
-    from experiments.memory.planner import DTYPE_BYTES, load_model_config, shapes
-
-    gib, cfg = 2**30, run.cfg
-    weights = shapes(load_model_config(model)[1]).total * DTYPE_BYTES[kwargs["dtype"]]
-    notes, fits = [], p.fits
-    share = p.categories.get("rollout", 0)
-    if cfg.rollout.engine != "shared" and share:
-        ok = weights < share  # vLLM's weights and its KV cache share the reserve
-        notes.append(f"engine copy {weights / gib:.1f} GiB in the {share / gib:.1f} GiB rollout share"
-                     + (f" ({(share - weights) / gib:.1f} GiB left for the KV cache)" if ok
-                        else ": DOES NOT FIT at tensor_parallel_size=1"))
-        fits &= ok
-    control = cfg.get("step_control", {}).get("enabled")
-    from baselines import METHODS
-
-    if METHODS[cfg.method].step_control_default if control is None else control:
-        at_predict = p.total_bytes - p.categories.get("activations", 0) + weights - weights // gpus
-        ok = at_predict <= p.capacity_bytes
-        notes.append(f"step control gathers the weights: {at_predict / gib:.1f} GiB at the prediction"
-                     + ("" if ok else " DOES NOT FIT"))
-        fits &= ok
-    return f"; fsdp2: {'; '.join(notes)} -> {'fits' if fits else 'DOES NOT FIT'}" if notes else ""
 
 
 def print_plan(sweep: Sweep, runs: list[Run], launcher: dict, show_memory: bool) -> None:

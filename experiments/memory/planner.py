@@ -50,13 +50,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from baselines.memory_terms import CATEGORIES, PlanContext, Term
+from experiments.memory.phases import ENGINES, PHASES, TRAIN_CANDIDATES, Step, engine_needs
+from experiments.memory.phases import phases as phase_terms
 
 PRESET_DIR = Path(__file__).with_name("presets")
 SHARDINGS = ("none", "fsdp", "zero2", "zero3")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 OPTIONS = {"gradient_checkpointing", "master_weights", "rollout_share", "logprob_chunk",
-           "completion_len", "micro_batches", "attention", "padded", "other_gb"}  # beside each method's plan_option_names
+           "completion_len", "micro_batches", "attention", "padded", "other_gb", "engine", "device",
+           "step_control", "probe_seqs", "phases", "reference_model"}  # beside each method's plan_option_names
 
 
 def presets() -> list[str]:
@@ -149,8 +152,23 @@ class Plan:
     capacity_bytes: int
     assumptions: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
-    candidates: dict[str, int] = field(default_factory=dict)  # candidate peak -> bytes
-    peak_at: str = ""
+    candidates: dict[str, int] = field(default_factory=dict)  # candidate peak -> bytes (fwd_bwd's candidates, the other phases)
+    peak_at: str = ""  # the candidate at the peak: a fwd_bwd candidate (backward, recompute, backward_end) or a phase
+    phases: dict[str, list[Term]] = field(default_factory=dict)  # every planned phase's terms (experiments/memory/phases.py)
+    peak_phase: str = ""
+    engine: list[Term] = field(default_factory=list)  # what a colocated vLLM engine needs as built, against its share
+
+    def phase_bytes(self) -> dict[str, int]:
+        return {name: int(sum(t.nbytes for t in ts)) for name, ts in self.phases.items()}
+
+    @property
+    def engine_share(self) -> int:
+        return int(sum(t.nbytes for t in self.terms if t.name.startswith("colocated vLLM engine")))
+
+    @property
+    def engine_fits(self) -> bool:
+        """Whether the engine as built fits its share (no engine to check: True)."""
+        return not self.engine or sum(t.nbytes for t in self.engine) <= self.engine_share
 
     @property
     def categories(self) -> dict[str, int]:
@@ -175,8 +193,17 @@ class Plan:
         lines += [f"  {k:<12} {v / scale:>12.2f}" for k, v in self.categories.items()]
         lines.append(f"  {'total':<12} {self.total_bytes / scale:>12.2f}  of {self.capacity_bytes / gib:.1f} GiB -> "
                      + ("fits" if self.fits else "DOES NOT FIT"))
-        lines.append(f"  peak at: {self.peak_at} (candidates: "
-                     + ", ".join(f"{k} {v / scale:.2f}" for k, v in self.candidates.items()) + f" {unit})")
+        lines.append(f"  peak at: {self.peak_phase}" + (f" ({self.peak_at})" if self.peak_at != self.peak_phase else "")
+                     + " (candidates: " + ", ".join(f"{k} {v / scale:.2f}" for k, v in self.candidates.items()) + f" {unit})")
+        if self.phases:
+            lines.append(f"  per phase ({unit} per GPU, everything alive in it):")
+            lines += [f"    {name:<11} {v / scale:>10.2f}  " + ("fits" if v <= self.capacity_bytes else "DOES NOT FIT")
+                      + ("  <- peak" if name == self.peak_phase else "") for name, v in self.phase_bytes().items()]
+        if self.engine:
+            need = sum(t.nbytes for t in self.engine)
+            lines.append(f"  rollout engine as built: {need / scale:.2f} {unit} against its share of {self.engine_share / scale:.2f} "
+                         f"{unit} -> " + ("fits" if self.engine_fits else "DOES NOT FIT") + ": "
+                         + "; ".join(f"{t.name} {t.nbytes / scale:.2f}" for t in self.engine))
         lines.append("  terms at the peak:")
         lines += [f"    {t.category:<11} {t.nbytes / scale:>10.2f} {unit}  {t.name}" + (f": {t.note}" if t.note else "")
                   for t in self.terms if t.nbytes]
@@ -262,9 +289,12 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
              "activations are per GPU (data parallel)")
 
     # ---- the method's own part: state, gradients, what it saves (Method.memory_terms) ---------------
+    device = str(opts.get("device", "cuda"))
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, got {device!r}")
     ctx = PlanContext(shapes=s, weight_bytes=b, rank=r, micro_batches=k, shard_params=shard_p, shard_grads=shard_g,
                       shard_optimizer=shard_o, options={key: v for key, v in opts.items() if key in cls.plan_option_names},
-                      precision="mixed" if master else "bf16")
+                      precision="mixed" if master else "bf16", device=device)
     if low:
         A.append("AdamW precision where the method's options name none: " + (
             "mixed (fp32 master + two fp32 moments, 12 B per trained element)" if master
@@ -397,29 +427,46 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     opt_terms = persist + (grads_all if mt.grads_at_step else []) + mt.step
     cands["optimizer"] = opt_terms
 
-    totals = {name: sum(t.nbytes for t in ts) for name, ts in cands.items()}
-    peak_at = max(totals, key=totals.get)
-    terms = list(cands[peak_at])
-
-    # ---- beside the training tensors ----------------------------------------------------------------
-    if sharding in ("fsdp", "zero3") and gpus > 1:
-        gather = max(2 * s.layer_params, s.embed) * b
-        terms.append(Term("other", "gathered full parameters", gather,
-                          "FSDP/ZeRO-3: two layers (current + prefetch) or the embedding unsharded - UNCHECKED"))
+    # ---- every phase of the step, with what is resident beside the trainer (experiments/memory/phases.py) ----
     capacity = int(float(gpu_mem_gb) * 2**30)
-    if rollout in ("none", None, False, "external"):
-        A.append("rollout: no colocated engine on this GPU")
-    else:
-        share = float(rollout) if isinstance(rollout, (int, float)) or str(rollout).replace(".", "", 1).isdigit() \
+    engine = str(opts.get("engine") or ("none" if rollout in ("none", None, False, "external") else "vllm"))
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    share = 0
+    if engine == "vllm":
+        fraction = float(rollout) if isinstance(rollout, (int, float)) or str(rollout).replace(".", "", 1).isdigit() \
             else float(opts.get("rollout_share", 0.3))
-        if not 0.0 <= share < 1.0:
-            raise ValueError(f"rollout share must be in [0, 1), got {share}")
-        terms.append(Term("rollout", "colocated vLLM engine", int(share * capacity),
-                          f"gpu_memory_utilization {share:.2f}: its weights and KV cache inside that share"))
-    other = int(float(opts.get("other_gb", 1.0)) * 2**30)
-    if other:
-        terms.append(Term("other", "CUDA context and allocator slack", other))
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"rollout share must be in [0, 1), got {fraction}")
+        share = int(fraction * capacity)
+    other = int(float(opts.get("other_gb", 1.0 if device == "cuda" else 0.0)) * 2**30)
+    A.append(f"rollout engine: {engine}" + (f", reserving {share / 2**30:.1f} GiB" if share else "")
+             + (f"; CUDA context and allocator reserve {other / 2**30:.1f} GiB (assumed)" if other else ""))
+    control = opts.get("step_control")
+    control = cls.step_control_default if control is None else bool(control)
+    rows_per_gpu = B * k
+    probe = int(opts.get("probe_seqs") or min(rows_per_gpu, max(12, -(-rows_per_gpu // 4))))
+    st = Step(s=s, b=b, gpus=gpus, fsdp=sharding in ("fsdp", "zero3"), persist=persist,
+              grads=grads_all if mt.grads_at_step else [], update=mt.step, candidates=cands, rank=r,
+              sketched_rows=mt.sketched_rows, receiver_bytes=mt.receiver_bytes, dense_layer_grads=mt.dense_layer_grads,
+              rows=rows_per_gpu, seq_len=T,
+              completion_len=C, probe_seqs=probe, cuda=device == "cuda", engine=engine, share_bytes=share,
+              other_bytes=other, step_control=control, reference=bool(opts.get("reference_model", False)))
+    wanted = opts.get("phases") or PHASES
+    by_phase = {name: ts for name, ts in phase_terms(st).items() if name in wanted}
+    totals = {name: sum(t.nbytes for t in ts) for name, ts in by_phase.items()}
+    peak_phase = max(totals, key=totals.get)
+    train = {n: sum(t.nbytes for t in ts) for n, ts in cands.items()}
+    fwd = max((n for n in train if n in TRAIN_CANDIDATES), key=train.get)
+    peak_at = {"fwd_bwd": fwd}.get(peak_phase, peak_phase)
+    candidates = {**{n: v for n, v in train.items() if n in TRAIN_CANDIDATES}, **{n: v for n, v in totals.items() if n != "fwd_bwd"}}
+    if sharding in ("fsdp", "zero3") and gpus > 1:
+        A.append("FSDP2 holds its root (embedding, final norm, head) and two layers gathered in the forward/backward, one layer "
+                 "in the KL prediction (logra_core/layerwise.py); checked on CPU with 2 gloo ranks (results/fsdp2_memory)")
     settings = {"gpus": gpus, "gpu_mem_gb": gpu_mem_gb, "micro_batch": B, "seq_len": T, "completion_len": C,
                 "micro_batches": k, "rank": r, "sharding": sharding, "rollout": rollout, "dtype": dtype,
-                "gradient_checkpointing": ckpt, "logprob_chunk": chunk}
-    return Plan(name, method, terms, capacity, A, settings, totals, peak_at)
+                "gradient_checkpointing": ckpt, "logprob_chunk": chunk, "engine": engine, "step_control": control,
+                "device": device}
+    engine_terms = engine_needs(st, T) if engine == "vllm" else []
+    return Plan(name, method, list(by_phase[peak_phase]), capacity, A, settings, candidates, peak_at,
+                phases=by_phase, peak_phase=peak_phase, engine=engine_terms)

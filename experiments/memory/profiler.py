@@ -7,9 +7,11 @@ peak the split into parameters, gradients, optimizer state and activations/other
         with prof.phase("optimizer"): ...
     prof.record()  # {"mem/fwd_bwd/peak_bytes": ..., "mem/params_bytes": ..., ...}
 
-Accounting: a storage counts from its first sight (created by an op under the mode, or registered
-up front: the model's parameters, existing grads and optimizer state) until it is freed (a weak
-finalizer on the storage). At every new peak, the live storages are classified by identity:
+Accounting: a storage counts from its first sight (created or read by an op under the mode, or
+registered up front: the model's parameters, existing grads and optimizer state) until it is freed (a
+weak finalizer on the storage), at its current size: a storage resized in place
+(``UntypedStorage.resize_``, how FSDP2 frees and re-allocates its gathered parameters) is followed.
+A wrapper tensor (a DTensor) counts as its local shard. At every new peak, the live storages are classified by identity:
 params = the model's parameters, grads = their ``.grad``, optimizer = tensors returned by
 ``optimizer_state()`` (moments, sketches, bases, masters), everything else = activations/other.
 Categories therefore add up to the peak exactly. The trainer opens one per step with
@@ -19,16 +21,18 @@ the peak with the op that made it (``python -m experiments.memory_table trace=1`
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-PHASES = ("rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync")
+PHASES = ("init", "init_reference", "rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync")
 
 
 def _storage(t: torch.Tensor):
@@ -36,6 +40,16 @@ def _storage(t: torch.Tensor):
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse/meta/wrapper tensors have none
         return None
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding ``t``'s data: ``t`` itself, or the inner tensors of a wrapper subclass (a
+    DTensor's local shard), whose own storage would report the global size."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]
+        return [x for v in inner if isinstance(v, torch.Tensor) for x in _plain(v)]
+    return [t]
 
 
 class MemoryProfiler(TorchDispatchMode):
@@ -48,17 +62,23 @@ class MemoryProfiler(TorchDispatchMode):
         self.trace = trace
         self.meta: dict[int, tuple] = {}
         self.peak_tensors: list[tuple] = []
+        self.phase_tensors: dict[str, list[tuple]] = {}  # trace=True: (op, shape, dtype, bytes) alive at each phase's peak
         self._op = "registered"
         self.live: dict[int, int] = {}  # storage id -> bytes
         self.current = 0
         self.peak = 0
         self.peak_split: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
+        self.phase_starts: dict[str, int] = {}  # live bytes when the phase was first entered
         self._phase: str | None = None
         self.peak_phase: str | None = None  # the phase during which the peak was reached
 
     # --- accounting
     def _see(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):  # a DTensor: count its local shard, not the global size
+            for inner in _plain(t):
+                self._see(inner)
+            return
         st = _storage(t)
         if st is None or st.device.type == "meta":
             return
@@ -72,6 +92,8 @@ class MemoryProfiler(TorchDispatchMode):
             self.meta[key] = (self._op, tuple(t.shape), str(t.dtype).replace("torch.", ""))
         weakref.finalize(st, self._free, key)
         if self._phase is not None:
+            if self.trace and self.current > self.phase_peaks.get(self._phase, 0):
+                self.phase_tensors[self._phase] = [(*self.meta.get(k, ("?", (), "?")), n) for k, n in list(self.live.items())]
             self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), self.current)
         if self.current > self.peak:
             self.peak = self.current
@@ -85,8 +107,8 @@ class MemoryProfiler(TorchDispatchMode):
     def _ids(self, tensors) -> set[int]:
         out = set()
         for t in tensors:
-            if isinstance(t, torch.Tensor) and (st := _storage(t)) is not None:
-                out.add(id(st))
+            if isinstance(t, torch.Tensor):
+                out.update(id(st) for x in _plain(t) if (st := _storage(x)) is not None)
         return out
 
     def _split(self) -> dict[str, int]:
@@ -95,7 +117,7 @@ class MemoryProfiler(TorchDispatchMode):
                 "optimizer": self._ids(self.optimizer_state())}
         split = {k: 0 for k in ("params", "grads", "optimizer", "activations")}
         listed = []
-        for key, n in self.live.items():
+        for key, n in list(self.live.items()):  # a snapshot: a finalizer may free a storage meanwhile
             name = next((c for c, ids in cats.items() if key in ids), "activations")
             split[name] += n
             if self.trace:
@@ -109,15 +131,41 @@ class MemoryProfiler(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._see(t)
 
+    def _resized(self, storage, nbytes: int) -> None:
+        key = id(storage)
+        if key in self.live:
+            self.current += nbytes - self.live[key]
+            self.live[key] = nbytes
+            if nbytes and self._phase is not None:
+                self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), self.current)
+            if self.current > self.peak:
+                self.peak, self.peak_phase = self.current, self._phase
+                self.peak_split = self._split()
+
     def __enter__(self):
         params = self._params = list(self.model.parameters())
         self._param_ids = self._ids(params)
         self.register(params)
         self.register(p.grad for p in params if p.grad is not None)
         self.register(self.optimizer_state())
+        original, profiler = torch.UntypedStorage.resize_, self
+        self._original_resize = original
+
+        def resize_(storage, nbytes):
+            out = original(storage, nbytes)
+            profiler._resized(storage, int(nbytes))
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
 
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in _tensor_args(args, kwargs):  # made outside the mode (a file's mapped tensor, a buffer)
+            self._see(t)
         out = func(*args, **(kwargs or {}))
         if self.trace:
             self._op = str(getattr(func, "__name__", func))
@@ -135,6 +183,7 @@ class MemoryProfiler(TorchDispatchMode):
             raise ValueError(f"unknown phase {name!r}; known: {', '.join(PHASES)}")
         prev, self._phase = self._phase, name
         self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.current)
+        self.phase_starts.setdefault(name, self.current)
         try:
             yield
         finally:
@@ -142,9 +191,26 @@ class MemoryProfiler(TorchDispatchMode):
 
     def record(self) -> dict[str, float]:
         rec = {f"mem/{p}/peak_bytes": float(v) for p, v in self.phase_peaks.items()}
+        rec.update({f"mem/{p}/start_bytes": float(v) for p, v in self.phase_starts.items()})
         rec.update({f"mem/{k}_bytes": float(v) for k, v in self.peak_split.items()})
         rec["mem/tensor_peak_bytes"] = float(self.peak)
         return rec
+
+
+def _tensor_args(args, kwargs):
+    """The tensors among an op's arguments. An ATen schema nests at most one level (``Tensor[]``,
+    ``Tensor?[]``), so one level is walked without pytree, which cost more than the op on small tensors."""
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, torch.Tensor):
+                    yield t
+                elif isinstance(t, (list, tuple, dict)):  # not an ATen schema, but whatever the caller passed
+                    yield from (x for x in tree_flatten(t)[0] if isinstance(x, torch.Tensor))
+        elif isinstance(a, dict):
+            yield from (x for x in tree_flatten(a)[0] if isinstance(x, torch.Tensor))
 
 
 def optimizer_tensors(method, model) -> list[torch.Tensor]:
@@ -208,8 +274,10 @@ class StepProfiler:
 
     TIMED = ("old_logprobs", "fwd_bwd", "optimizer", "kl_predict")
 
-    def __init__(self, enabled: bool, model, state: Callable[[], Iterable[torch.Tensor]], device, path=None):
+    def __init__(self, enabled: bool, model, state: Callable[[], Iterable[torch.Tensor]], device, path=None,
+                 resident: Callable[[], Iterable[torch.Tensor]] = lambda: ()):
         self.enabled, self.model, self.state, self.device, self.path = enabled, model, state, device, path
+        self.resident = resident  # tensors alive beside the trainer's (a rollout engine's copy), counted from the start
         self.prof: MemoryProfiler | None = None
         self.cuda_peaks: dict[str, int] = {}
         self.last: dict[str, float] = {}
@@ -220,9 +288,13 @@ class StepProfiler:
         if not self.enabled:
             yield
             return
-        self.prof, self.cuda_peaks = MemoryProfiler(self.model, self.state), {}
+        trace = os.environ.get("LOGRA_MEMORY_TRACE", "") not in ("", "0")  # debugging: what is alive at each phase's peak
+        self.prof, self.cuda_peaks = MemoryProfiler(self.model, self.state, trace=trace), {}
         with self.prof:
+            self.prof.register(self.resident())
             yield
+        if trace and self.path is not None:
+            write_phase_trace(self.prof, Path(str(self.path) + ".trace.txt"), index)
         rec = self.prof.record()
         for name, peak in self.cuda_peaks.items():
             rec[f"mem/{name}/peak_bytes"] = float(peak)  # the allocator's figure on CUDA
@@ -265,12 +337,37 @@ class StepProfiler:
     def record(self) -> dict[str, float]:
         """The step's ``mem/*`` keys (appended to the profile file) and phase times, then reset for the next step."""
         out, self.last = self.last, {}
-        if out and self.path is not None:
-            import json
-
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": getattr(self, "index", 0), **out}) + "\n")
+        if out:
+            self.write({"step": getattr(self, "index", 0), **out})
         seconds, self.seconds = self.seconds, {}
         if "optimizer" in seconds:
             seconds["optimizer"] -= seconds.get("kl_predict", 0.0)
         return {**out, **{f"time/{name}_s": value for name, value in seconds.items()}}
+
+    def write(self, record: dict) -> None:
+        """Append one record to the profile file (when there is one)."""
+        if self.path is not None:
+            import json
+            from pathlib import Path
+
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def write_phase_trace(prof: MemoryProfiler, path: Path, step: int = 0) -> None:
+    """Append, per phase, the storages alive at its peak grouped by (creating op, shape, dtype), largest
+    first (``LOGRA_MEMORY_TRACE=1``: for finding what a phase holds)."""
+    from collections import Counter
+
+    lines = []
+    for phase, tensors in prof.phase_tensors.items():
+        groups, nbytes = Counter(), Counter()
+        for op, shape, dtype, n in tensors:
+            groups[(op, shape, dtype)] += 1
+            nbytes[(op, shape, dtype)] += n
+        lines.append(f"step {step} phase {phase}: {sum(nbytes.values())} bytes")
+        lines += [f"  {nbytes[k]:>12} {groups[k]:>5}x {k[0]:<40} {k[1]} {k[2]}" for k in sorted(nbytes, key=lambda k: -nbytes[k])[:40]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write("\n".join(lines) + "\n")

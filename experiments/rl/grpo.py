@@ -137,8 +137,10 @@ def completion_logprobs(model, input_ids, attention_mask, completion_len: int, c
             ).last_hidden_state[:, -completion_len - 1 : -1]
             if temperature != 1.0:
                 hidden = hidden / temperature
-            # a fresh tensor, not a view: FSDP hooks the root's output for its backward
-            return chunked_token_logprobs(hidden, model.get_output_embeddings().weight, targets, chunk, logit_softcap(model)).clone()
+            # the sketch is the head module's: FSDP2 swaps in an unsharded weight that does not carry it.
+            # A fresh tensor, not a view: FSDP hooks the root's output for its backward.
+            return chunked_token_logprobs(hidden, head.weight, targets, chunk, logit_softcap(model),
+                                          state=getattr(head, "sketch_state", None)).clone()
 
         # as the root's forward: a sharded model (FSDP2) gathers the head there and reduces its gradient after
         return through_root(model, chunked, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)

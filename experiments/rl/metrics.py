@@ -43,6 +43,7 @@ METRICS: dict[str, str] = {
     "step/skipped": "updates of the step skipped by the non-finite guard (a NaN/Inf in a loss, gradient, sketch or proposed update; experiments/rl/guard.py): 0 or 1 per ppo epoch; the offending tensor is named in <run_dir>/skips.jsonl",
     "step/lr": "learning rate of the update",
     "rollout/len_mean": "mean completion length in tokens",
+    "rollout/seq_len": "tokens per trained sequence as padded (the longest prompt + the longest completion, over ranks)",
     "rollout/truncated_frac": "fraction of completions cut by max_new_tokens",
     "rollout/trained_seqs": "sequences that entered the loss (zero-advantage ones are skipped)",
     "rollout/trained_tokens": "completion tokens that entered the loss",
@@ -66,6 +67,8 @@ METRICS: dict[str, str] = {
     "mem/peak_rss_bytes": "the process's peak resident set size so far (ru_maxrss)",
     # log.memory_profile=true (experiments/memory/profiler.py): live tensor bytes by tensor accounting
     **{f"mem/{p}/peak_bytes": f"peak of live tensor bytes during the {p} phase of the step (CUDA: the allocator's max_memory_allocated, reset at the phase's start)"
+       for p in ("rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync")},
+    **{f"mem/{p}/start_bytes": f"live tensor bytes when the {p} phase of the step began (tensor accounting)"
        for p in ("rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync")},
     "mem/tensor_peak_bytes": "the step's peak of live tensor bytes (tensor accounting); the four categories below sum to it",
     "mem/params_bytes": "at the step's tensor peak: the trained model's parameters (an engine's own copy counts under activations/other)",

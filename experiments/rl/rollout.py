@@ -127,6 +127,11 @@ class RolloutEngine:
     def close(self) -> None:
         """Release what the engine holds (a worker process)."""
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """The tensors the engine keeps in the trainer's process between steps (its copy of the policy,
+        the receiver's buffers), for the memory profiler; none for the trainer's own module."""
+        return []
+
 
 ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 # The modules whose engines register themselves (``@register_engine``) when imported; build_engine
@@ -145,15 +150,15 @@ def register_engine(name: str):
 def copy_policy(model, factory=None):
     """An engine's own copy of the policy, eval mode, no gradients: a deep copy of ``model``, or,
     when ``model`` is sharded (FSDP2: its parameters are DTensor shards, which a copy would keep
-    sharded), a fresh skeleton from ``factory`` on the model's device, whose weights arrive with the
-    first full sync (every tensor, gathered)."""
+    sharded), a fresh skeleton from ``factory`` allocated on the model's device and not filled: its
+    weights arrive with the first full sync (every tensor, gathered one at a time)."""
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
         if factory is None:
             raise ValueError("an engine copy of a sharded (FSDP2) policy needs a factory that builds its skeleton")
-        copy_, _ = factory()
-        return copy_.to(next(model.parameters()).device).eval().requires_grad_(False)
+        copy_, _ = factory(weights=False, device=next(model.parameters()).device)
+        return copy_.eval().requires_grad_(False)
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 

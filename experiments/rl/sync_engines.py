@@ -35,13 +35,15 @@ class PolicyFactory:
     method_cfg: Any
     threads: int = 0
 
-    def __call__(self):
+    def __call__(self, weights: bool = True, device="cpu"):
+        """(policy, tokenizer) on ``device``; ``weights=False``: allocated, not read (a copy that its
+        first full sync fills: nothing is loaded twice)."""
         from baselines import METHODS
         from experiments.rl.models import load_model
 
         if self.threads > 0:
             torch.set_num_threads(self.threads)
-        model, tokenizer = load_model(self.model_cfg)
+        model, tokenizer = load_model(self.model_cfg, device=device, weights=weights)
         model = METHODS[self.method](self.method_cfg).prepare(model)
         return model.eval().requires_grad_(False), tokenizer
 
@@ -66,6 +68,9 @@ class HFCopyEngine(HFGenerateEngine):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.receiver.tensors.masters.values()]
 
 
 def _free_port() -> int:

@@ -32,14 +32,14 @@ class WeightSync:
         ops, changed, masters = method.sync_entries()
         payload = self.sender.full(masters) if full else self.sender.delta(ops, changed, masters)
         sent, resyncs = payload.nbytes(), 0
-        if not self.engine.receive(payload):
+        if not self.sender.agree(self.engine.receive(payload)):  # a sharded sender's ranks resync together
             if full:
-                raise RuntimeError(f"rollout engine rejected a full sync: {self.engine.last_error}")
-            print(f"[sync] step {step}: {self.engine.last_error}; sending every tensor")
+                raise RuntimeError(f"rollout engine rejected a full sync: {self.engine.last_error or 'on another rank'}")
+            print(f"[sync] step {step}: {self.engine.last_error or 'a rank refused the payload'}; sending every tensor")
             payload = self.sender.full(masters)
             sent, resyncs = sent + payload.nbytes(), 1
-            if not self.engine.receive(payload):
-                raise RuntimeError(f"rollout engine rejected a full resync: {self.engine.last_error}")
+            if not self.sender.agree(self.engine.receive(payload)):
+                raise RuntimeError(f"rollout engine rejected a full resync: {self.engine.last_error or 'on another rank'}")
         return {"sync/bytes": float(sent), "sync/full_bytes": float(full_bytes(self.model)),
                 "sync/resyncs": float(resyncs), "time/sync_s": time.perf_counter() - t0}
 

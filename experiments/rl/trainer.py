@@ -21,6 +21,7 @@ phase and the memory planner's estimate. Checkpoints are crash-safe (``experimen
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from contextlib import contextmanager, nullcontext
@@ -36,9 +37,9 @@ from experiments.rl.distributed import build_strategy
 from experiments.rl.grpo import clipped_policy_loss, completion_logprobs, group_advantages, logit_softcap
 from experiments.rl.guard import (PREEMPTED_EXIT, NonFiniteError, Preempted, PreemptionSignals,  # noqa: F401  (re-exported)
                                   oom_context, planner_estimate, update_nonfinite)
-from experiments.memory.profiler import StepProfiler, optimizer_tensors
+from experiments.memory.profiler import MemoryProfiler, StepProfiler, optimizer_tensors, write_phase_trace
 from experiments.rl.metrics import MetricsWriter, memory_metrics, read_metrics
-from experiments.rl.models import load_model
+from experiments.rl.models import load_skeleton
 from experiments.rl.probe_capture import ProbeCapture
 from experiments.rl.rollout import Rollouts, build_engine
 from experiments.rl.run_dir import RunDirectory
@@ -83,7 +84,7 @@ class GRPOTrainer:
         c = self.cfg
         self.run_dir = Path(c.out_dir)
         self.directory = RunDirectory(self.run_dir, cfg)  # config, meta, samples, skips, checkpoints
-        self.dist = build_strategy(c, METHODS[c.method])  # one process: the identity (experiments/rl/distributed.py)
+        self.dist = build_strategy(c, METHODS[c.method])  # one process: the identity (experiments/rl/distributed/)
         if self.dist.is_main:
             self.directory.check()  # refuse to overwrite a run, or to resume one with another config
         if c.threads > 0:
@@ -100,18 +101,29 @@ class GRPOTrainer:
         self.reward_fn = self.task.reward_function()
 
         self.method = METHODS[c.method](getattr(c, c.method))
-        model, self.tokenizer = load_model(c.model)
-        self.model = self.method.setup(model.to(self.device), wrap=self.dist.wrap)
+        # every rank profiles itself (log.memory_profile): rank 0 into memory_profile.jsonl, rank r into memory_profile_rank<r>.jsonl
+        profile_path = self.run_dir / ("memory_profile.jsonl" if self.dist.is_main else f"memory_profile_rank{self.dist.rank}.jsonl")
+        trace = os.environ.get("LOGRA_MEMORY_TRACE", "") not in ("", "0")
+        init = MemoryProfiler(torch.nn.Module(), trace=trace) if c.log.memory_profile else None  # the load's peak: "init"
+        with init or nullcontext():
+            with init.phase("init") if init else nullcontext():
+                skeleton, self.tokenizer, source = load_skeleton(c.model)  # no weights yet: the strategy places them
+                self.model = self.dist.build_model(skeleton, source, self.method, self.device, c.model)
+            self.ref_model = None
+            if c.train.kl_coef > 0:  # placed as the policy is (sharded under fsdp2)
+                with init.phase("init_reference") if init else nullcontext():
+                    self.ref_model = self.dist.build_reference(*load_skeleton(c.model)[::2], self.device, c.model)
         self.method = self.dist.attach(self.method)
         self.model.train()
-        self.profiler = StepProfiler(c.log.memory_profile and self.dist.is_main, self.model,  # off by default
-                                     lambda: optimizer_tensors(self.method, self.model), self.device, self.run_dir / "memory_profile.jsonl")
+        self.profiler = StepProfiler(c.log.memory_profile, self.model,  # off by default
+                                     lambda: optimizer_tensors(self.method, self.model), self.device, profile_path,
+                                     resident=lambda: self.engine.resident_tensors())
+        if init is not None:
+            self.profiler.write({"step": 0, **init.record()})
+            if trace:
+                write_phase_trace(init, Path(str(profile_path) + ".trace.txt"), 0)
         enabled = c.step_control.enabled
         self.step_control = self.method.step_control_default if enabled is None else enabled
-        self.ref_model = None
-        if c.train.kl_coef > 0:
-            self.ref_model, _ = load_model(c.model)
-            self.ref_model.to(self.device).eval().requires_grad_(False)
         self.engine = build_engine(c.rollout, self.model, self.tokenizer,
                                    factory=PolicyFactory(c.model, c.method, getattr(c, c.method), c.threads))
         self.weight_sync = WeightSync(self.model, self.engine, self.dist.sync_sender)  # bytes, resyncs, full-sync fallback
@@ -243,6 +255,7 @@ class GRPOTrainer:
             "reward/accuracy": float((all_rewards > 0.5).float().mean()),
             "reward/zero_std_groups": float((all_rewards.view(-1, tc.group_size).std(1) == 0).float().mean()) if tc.group_size > 1 else 1.0,
             "rollout/len_mean": float(lengths.mean()),
+            "rollout/seq_len": float(every(torch.tensor([float(rollouts.prompt_ids.shape[1] + rollouts.completion_ids.shape[1])])).max()),
             "rollout/truncated_frac": float(every(rollouts.truncated.float()).mean()),
         }
         if timeouts is not None:  # scored 0 without a verdict: a rising count means reward_timeout_s is too short
@@ -392,21 +405,20 @@ class GRPOTrainer:
         if scale > 0 and sc.predictor == "secant":  # the next step's trial scale (a skipped step keeps the last)
             self.kl_trial_scale = max(scale, sc.min_trial_scale)
         if sc.measure_realized:  # the whole trained batch, in micro-batches: the reference the probe estimates
-            batches = [probe_inputs(rollouts.select(idx), self.device)
-                       for idx in rows.split(self.cfg.train.micro_batch_size)] if len(rows) else []
-            with self.dist.full_weights(self.model):
-                head = self.model.get_output_embeddings().weight
-                h_old, w_old = [hidden_states(self.model, **b) / T for b in batches], head.detach().clone()
+            batches = self.dist.even_probes([probe_inputs(rollouts.select(idx), self.device)
+                                             for idx in rows.split(self.cfg.train.micro_batch_size)] if len(rows) else [],
+                                            self.model)
+            head = self.model.get_output_embeddings().weight  # (a sharded model: this rank's rows, and no whole copy below)
+            h_old, w_old = [hidden_states(self.model, **b) / T for b in batches], head.detach().clone()
         self.method.apply(update, scale)
         if sc.predictor == "secant":
             stats.update({"kl/trial_scale": at, "kl/trials": trials})
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale,
                       "kl/predicted_stderr": stderr, "kl/probe_tokens": self.dist.all_sum(weight)[0]})
         if sc.measure_realized:
-            with self.dist.full_weights(self.model):
-                W = self.model.get_output_embeddings().weight.detach()
-                terms = [exact_kl(h, w_old, hidden_states(self.model, **b) / T, W, sc.chunk, logit_softcap(self.model))
-                         for h, b in zip(h_old, batches)]
+            W = self.model.get_output_embeddings().weight.detach()
+            terms = [exact_kl(h, w_old, hidden_states(self.model, **b) / T, W, sc.chunk, logit_softcap(self.model))
+                     for h, b in zip(h_old, batches)]
             tokens = float(sum(t.numel() for t in terms))
             realized = float(sum(t.sum() for t in terms)) / tokens if tokens else 0.0
             stats["kl/realized"] = self.dist.weighted_mean(realized, tokens)
@@ -438,6 +450,7 @@ class GRPOTrainer:
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_lp = self._logprobs(self.ref_model, mb)
+                self.dist.release(self.ref_model)  # fsdp2: no gathered root kept between forwards
             loss, s = clipped_policy_loss(
                 logprobs, old_lp, advantages[idx].to(self.device), mask, tc.clip_low, tc.clip_high,
                 num_tokens, ref_lp, tc.kl_coef,

@@ -98,6 +98,9 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
         self.push_s = time.perf_counter() - t0
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        return [*self.shadow.parameters(), *self.receiver.tensors.masters.values()]
+
     def state_dict(self, tied: bool = False) -> dict[str, torch.Tensor]:
         """The weights vLLM computes with, read back, by HF parameter name (a linear layer's weight by
         running its packed kernel on an identity matrix). ``tied``: add the tied LM head as read back
