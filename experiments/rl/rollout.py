@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
+
+from experiments.rl.vllm_config import VLLMConfig
 
 
 @dataclass
@@ -28,7 +30,8 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass (Holtzman et al., 2020); 1 = off
     max_new_tokens: int = 64  # completion budget; longer completions are truncated (no EOS)
-    batch_size: int = 64  # sequences per generate call
+    batch_size: int = 64  # sequences per generate call (vllm: sequences decoded at once unless rollout.vllm.max_num_seqs)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.engine=vllm: executor, memory share, KV budget, sleep, seed (experiments/rl/vllm_config.py)
 
 
 @dataclass
@@ -115,6 +118,7 @@ class RolloutEngine:
 
     holds_copy = False  # True for engines with their own copy of the policy, kept equal by weight sync
     last_error = ""  # why the last ``receive`` failed
+    needs_full = False  # True while only a full payload can update the copy (vLLM after sleep level 2)
 
     def generate(self, prompts: list[str], n: int = 1, greedy: bool = False, max_new_tokens: int = 0) -> Rollouts:
         raise NotImplementedError
