@@ -120,6 +120,9 @@ def test_every_engine_start_passes_its_memory_share_the_ranks_device_and_seed(fa
         assert start["tensor_parallel_size"] == 1 and start["max_num_seqs"] == 16 and start["max_model_len"] == 256
         assert start["load_format"] == "dummy"
     assert len({s["seed"] for s in fake_vllm.starts}) == world
+    torch.seed()  # an unseeded process: a 64-bit seed, cut to the 32 bits vLLM (numpy) accepts
+    vllm_engine.start_llm(tmp_path, cfg, model, torch.device("cuda", 0), 0, world, True, total_memory=80 * GIB)
+    assert fake_vllm.starts[-1]["seed"] == torch.initial_seed() % 2**32
 
     fake_vllm.starts.clear()  # set by hand: passed as given; one process: the in-process executor
     cfg = RolloutConfig(engine="vllm", vllm=VLLMConfig(gpu_memory_utilization=0.35, kv_cache_gb=2.0, seed=11, cuda_graphs=False))
@@ -214,7 +217,10 @@ def test_sleep_level_1_keeps_the_weights_and_wakes_them_before_a_payload(fake_vl
     assert engine.asleep == {"weights", "kv_cache"}  # asleep from the start: the first sync wakes it
     sync(Method(opt), full=True)
     for s in range(2):
-        engine.generate(["a b c"], n=2)
+        with engine.sampling():  # a step's rollouts
+            engine.generate(["a b c"], n=2)
+            engine.generate(["d e"], n=2)
+            assert ("sleep", 1) not in engine.llm.calls[-2:]  # awake through the rollouts
         assert engine.llm.calls[-1] == ("sleep", 1) and engine.resident_tensors() == []
         step(model, opt, s)
         engine.llm.calls.clear()
@@ -222,8 +228,9 @@ def test_sleep_level_1_keeps_the_weights_and_wakes_them_before_a_payload(fake_vl
         assert engine.llm.calls[0] == ("wake_up", ("weights",)) and stats["sync/resyncs"] == 0
         assert stats["sync/bytes"] < stats["sync/full_bytes"]  # low-rank: the weights survived the sleep
         assert_engine_equals(engine, model)
-        engine.generate(["a b c"], n=2)
-        assert engine.llm.calls[1:4] == [("wake_up", ("kv_cache",)), ("reset_prefix_cache",), ("generate",)]
+        with engine.sampling():
+            engine.generate(["a b c"], n=2)
+        assert engine.llm.calls[1:5] == [("wake_up", ("kv_cache",)), ("reset_prefix_cache",), ("generate",), ("sleep", 1)]
 
 
 def test_sleep_level_2_asks_for_a_full_payload_every_step(fake_vllm, monkeypatch):
@@ -232,7 +239,8 @@ def test_sleep_level_2_asks_for_a_full_payload_every_step(fake_vllm, monkeypatch
     opt = LoGRA(model, rank=4, lr=1e-2, master="stochastic")
     sync = WeightSync(model, engine)
     sync(Method(opt), full=True)
-    engine.generate(["a b c"], n=2)
+    with engine.sampling():
+        engine.generate(["a b c"], n=2)
     assert engine.needs_full
     step(model, opt, 0)
     assert not engine.receive(sync.sender.delta(*Method(opt).sync_entries()))  # a delta on dropped weights

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -127,6 +128,11 @@ class RolloutEngine:
         """Apply a weight-sync payload (:mod:`logra_core.sync`) to the engine's copy; False = a full
         payload is needed (a version gap or a checksum mismatch)."""
         raise NotImplementedError(f"{type(self).__name__} holds no copy of the policy to sync")
+
+    def sampling(self):
+        """Context around a batch of ``generate`` calls (a step's rollouts, an evaluation): an engine may
+        free memory when it ends (vLLM's sleep mode)."""
+        return nullcontext()
 
     def close(self) -> None:
         """Release what the engine holds (a worker process)."""

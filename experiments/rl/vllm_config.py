@@ -77,8 +77,9 @@ def utilization(needed: int, total: int) -> float:
 
 
 def engine_seed(cfg: VLLMConfig, rank: int, trainer_seed: int) -> int:
-    """This rank's sampling seed: ``trainer_seed`` (the rank's torch seed) unless rollout.vllm.seed is set."""
-    return trainer_seed if cfg.seed < 0 else cfg.seed + SEED_STRIDE * rank
+    """This rank's sampling seed: ``trainer_seed`` (the rank's torch seed) unless rollout.vllm.seed is set;
+    taken mod 2³² (vLLM seeds numpy's generator with it)."""
+    return (trainer_seed if cfg.seed < 0 else cfg.seed + SEED_STRIDE * rank) % 2**32
 
 
 def executor(cfg: VLLMConfig, cuda: bool, distributed: bool) -> str:

@@ -14,8 +14,9 @@ One engine per trainer process, colocated with the trainer:
 * **weights** (:mod:`experiments.rl.vllm_weights`): ``inplace`` applies each payload to vLLM's own
   parameters through views (no shadow copy, no reload); ``reload`` (the CPU build, which repacks weights)
   replays it on a shadow copy and reloads the touched layers.
-* **sleep** (``rollout.vllm.sleep``, vLLM's sleep mode, CUDA only): after each ``generate`` the engine
-  sleeps — level 1 offloads its weights to host memory and drops the KV cache, level 2 drops both. A
+* **sleep** (``rollout.vllm.sleep``, vLLM's sleep mode, CUDA only): when the trainer is done sampling
+  (the end of :meth:`sampling`: a step's rollouts, an evaluation) the engine sleeps — level 1 offloads
+  its weights to host memory and drops the KV cache, level 2 drops both. A
   payload wakes the weights first (they return to the same addresses, so views and CUDA graphs stay
   valid) and is applied there; ``generate`` then wakes the KV cache (verl's order: weights, sync, KV).
   After level 2 the weights are garbage until a full payload arrives: :attr:`needs_full` asks the sender
@@ -30,6 +31,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -92,6 +94,14 @@ class VLLMEngine(RolloutEngine):
             self.llm.sleep(level=level)
             self.asleep = {"weights", "kv_cache"}
             self.discarded = self.discarded or level == 2
+
+    @contextmanager
+    def sampling(self):
+        """Around a step's rollouts or an evaluation (the trainer's): asleep again when it ends."""
+        try:
+            yield self
+        finally:
+            self.sleep()
 
     def wake(self, *tags: str) -> None:
         todo = [t for t in tags if t in self.asleep]
@@ -167,7 +177,6 @@ class VLLMEngine(RolloutEngine):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         finally:
             torch.set_num_threads(threads)
-        self.sleep()
         ids, logprobs = [], []
         for out in outputs:
             for sample in out.outputs:  # the n samples of one prompt, in order
