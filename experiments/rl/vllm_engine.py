@@ -49,6 +49,7 @@ CPU_KV_CACHE_BYTES = 1 << 30  # the CPU build's KV cache unless rollout.vllm.kv_
 # thread, 31–32 s with 2.
 SAMPLING_THREADS = 1
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+_KEPT: list = []  # closed external_launcher engines, alive until the process exits (VLLMEngine.close)
 
 
 @register_engine("vllm")
@@ -77,6 +78,7 @@ class VLLMEngine(RolloutEngine):
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = torch.distributed.get_rank() if distributed else 0
         world = torch.distributed.get_world_size() if distributed else 1
+        self.executor = executor(self.vcfg, cuda, distributed)
         self.llm = start_llm(self.dir, cfg, model, device, rank, world, distributed, load_format=self.weights.load_format,
                              total_memory=_total_memory(device), cuda=cuda)
         self.weights.attach(self.llm)
@@ -201,6 +203,9 @@ class VLLMEngine(RolloutEngine):
         llm = getattr(self, "llm", None)
         if llm is not None:
             self.llm = None
+            if self.executor == "external_launcher":
+                _release_groups(llm)
+                return self._remove_dir()
             core = getattr(llm.llm_engine, "engine_core", None)  # the in-process engine core and its worker
             if core is not None:
                 core.shutdown()
@@ -209,18 +214,35 @@ class VLLMEngine(RolloutEngine):
         self._remove_dir()
 
 
+def _release_groups(llm) -> None:
+    """Close an ``external_launcher`` engine without ending the trainer's torch.distributed: vLLM's teardown
+    (``shutdown``, or its finalizer) destroys the default process group, which there is the trainer's own
+    (seen on the CPU build). vLLM's own groups (its tensor/pipeline-parallel groups and its world group)
+    are destroyed here; the engine is kept until the process exits, when the default group is gone."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    world = getattr(parallel_state, "_WORLD", None)
+    if world is not None:
+        world.destroy()
+        parallel_state._WORLD = None
+    _KEPT.append(llm)
+
+
 def _write_model_dir(model, tokenizer, path: Path, weights: bool) -> None:
     """Config and tokenizer files as vLLM loads a model folder, and the weights (safetensors) where vLLM
     loads them from there (``weights``; else it starts from dummy weights that the first sync fills);
-    any leftover ``quantization_config`` (a de-quantized GGUF) removed, which vLLM would obey."""
-    if weights:
-        model.save_pretrained(path)
-    else:
-        model.config.save_pretrained(path)
+    any leftover ``quantization_config`` (a de-quantized GGUF) removed, which vLLM would obey. Written by
+    this rank for its own engine: HF's ``save_pretrained`` writes on rank 0 only under torch.distributed."""
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if weights:  # a tied head is the embedding's parameter: listed (and written) once
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
     tokenizer.save_pretrained(path)
-    config = json.loads((path / "config.json").read_text())
-    if config.pop("quantization_config", None) is not None:
-        (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def _is_cuda(device: torch.device) -> bool:
