@@ -77,7 +77,9 @@ def memory(repo: Path) -> Row:
 
 PLANNER_CSV = "planner_bf16/gemma-2-27b.csv"  # one row per planned method (experiments.plan out=...)
 PLANNER_COLUMNS = {"method": "method", "total_gib": "total", "fits": "fits", "capacity_gb": "capacity",
-                   "weights_grads_optimizer_gib": "weights_grads_optimizer"}
+                   "weights_grads_optimizer_gib": "weights_grads_optimizer", "peak_phase": "peak_phase",
+                   "engine_fits": "engine_fits"}
+FSDP2_MEMORY = "fsdp2_memory/memory.csv"  # per-phase planned / measured on 2 CPU ranks (experiments.memory.fsdp2_memory)
 PLANNER_ROWS = {"ref": "dense", "lg": "logra:master=fp32", "lg_lean": "logra:master=stochastic embeddings=true"}  # role -> method
 
 
@@ -94,16 +96,23 @@ def planner(repo: Path) -> Row:
     under = float(check.group(1)) / float(check.group(2))
     fits = lambda row: "fits" if str(row[c["fits"]]) == "True" else "does not fit"  # noqa: E731
     ratio = r["lg_lean"][c["weights_grads_optimizer_gib"]] / r["ref"][c["weights_grads_optimizer_gib"]]
+    measured = pd.read_csv(repo / "results" / FSDP2_MEMORY)
+    worst = float((measured["ratio"] - 1).abs().max())
+    engine = "fits" if all(str(x) == "True" for x in t[c["engine_fits"]]) else "does not fit"
     return Row(
         "a 27B model on one 8-GPU node where dense Adam runs out of memory",
-        f"planned per GPU ({gpus} × {r['ref'][c['capacity_gb']]:.0f} GB, {sharding.upper()}, bf16, colocated vLLM): "
-        f"{model} dense AdamW (mixed) {r['ref'][c['total_gib']]:.1f} GiB, {fits(r['ref'])}; LoGRA "
-        f"{r['lg'][c['total_gib']]:.1f} GiB (fp32 masters, {fits(r['lg'])}), {r['lg_lean'][c['total_gib']]:.1f} GiB "
-        f"(stochastic rounding, embeddings sketched); weights + grads + optimizer {ratio:.2f}× dense's",
-        f"a prediction from shapes, not a run; one CUDA check found the planner {under:.1f}× under a 0.5B model's "
-        "measured peak (dense)",
-        ["planner", "planner_bf16", "gpu_check"],
-        {"planner": [provenance.folder_sha(path.parent)], "CUDA check": [provenance.folder_sha(repo / "results/gpu_check")]})
+        f"planned per GPU and per phase ({gpus} × {r['ref'][c['capacity_gb']]:.0f} GB, {sharding.upper()}, bf16, colocated "
+        f"vLLM's reserve): {model} dense AdamW (mixed) {r['ref'][c['total_gib']]:.1f} GiB at its {r['ref'][c['peak_phase']]} "
+        f"phase, {fits(r['ref'])}; LoGRA {r['lg'][c['total_gib']]:.1f} GiB at its {r['lg'][c['peak_phase']]} phase (fp32 "
+        f"masters, every phase {fits(r['lg'])}), {r['lg_lean'][c['total_gib']]:.1f} GiB (stochastic rounding, embeddings "
+        f"sketched); weights + grads + optimizer {ratio:.2f}× dense's at each one's peak; the rollout engine as built "
+        f"(tensor_parallel_size=1, a shadow copy) {engine} its reserve",
+        f"a prediction from shapes, not a run; its phases checked on 2 CPU ranks (fsdp2, fp32) within "
+        f"{100 * worst:.0f} % of the measured peaks; one CUDA check found an earlier planner {under:.1f}× under a 0.5B "
+        "model's measured peak (dense)",
+        ["planner", "planner_bf16", "fsdp2_memory", "gpu_check"],
+        {"planner": [provenance.folder_sha(path.parent)], "CPU check": [provenance.folder_sha(repo / "results/fsdp2_memory")],
+         "CUDA check": [provenance.folder_sha(repo / "results/gpu_check")]})
 
 
 SYNC_ROWS = ("logra", "logra logra.embeddings=true")  # sync_bench.txt's labels: plain, sketched embeddings

@@ -98,6 +98,7 @@ def child(spec: str, args: dict) -> dict:
                      micro_batches=-(-seqs // mb), **{"rank": 64, **METHODS[method].plan_options(cfg[method])},
                      dtype={"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[cfg.model.dtype], rollout="none",
                      other_gb=0.0, gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+                     device="cpu", step_control=False, phases=("fwd_bwd", "optimizer"),  # what the child runs: no rollout, no control
                      logprob_chunk=int(cfg.train.logprob_chunk),
                      padded=bool((rollouts.prompt_mask == 0).any()))
             planned, planned_at, candidates = p.total_bytes, p.peak_at, p.candidates

@@ -48,8 +48,13 @@ class PlanArgs:
     embeddings: Optional[bool] = None  # logra sketches the embedding and a tied head; default false
     padded: Optional[bool] = None  # prompts of different lengths (a padding mask); default true
     attention: Optional[str] = None  # sdpa | eager; default eager for Gemma-2, else sdpa
-    rollout_share: Optional[float] = None  # fraction of the GPU a colocated vLLM engine reserves; default 0.3
-    other_gb: Optional[float] = None  # CUDA context and allocator slack, GB; default 1.0
+    rollout_share: Optional[float] = None  # gpu_memory_utilization handed to a colocated vLLM engine; default: what it needs as built
+    other_gb: Optional[float] = None  # CUDA context and allocator reserve, GB (an assumption); default 1.0 on cuda, 0 on cpu
+    engine: Optional[str] = None  # the rollout engine: vllm (colocated, default with rollout=colocated) | hf (a copy per GPU) | shared | none
+    device: Optional[str] = None  # cuda (default: foreach AdamW, the CUDA reserve) | cpu (single-tensor AdamW, no reserve)
+    step_control: Optional[bool] = None  # plan the KL-prediction phase; default: the method's (on for logra)
+    probe_seqs: Optional[int] = None  # sequences the KL probe reads per GPU; default: a quarter of the rows, at least 12
+    reference_model: Optional[bool] = None  # a frozen reference model for a KL penalty (train.kl_coef > 0); default false
     out: str = ""  # also write one CSV row per entry here (GiB per GPU by category, total, peak, verdict); "" = print only
 
 
@@ -103,14 +108,19 @@ def write_csv(plans, path) -> None:
 
     from experiments.common.provenance import write_csv as write_rows
 
+    from experiments.memory.phases import PHASES
+
     gib = 2**30
     rows = []
     for p in plans:
-        c = p.categories
+        c, phases = p.categories, p.phase_bytes()
         rows.append({"model": p.model, "method": p.method, **{k: round(v / gib, 3) for k, v in c.items()},
                      "weights_grads_optimizer": round((c["params"] + c["grads"] + c["optimizer"]) / gib, 3),
                      "total": round(p.total_bytes / gib, 3), "capacity": round(p.capacity_bytes / gib, 1),
-                     "fits": p.fits, "peak_at": p.peak_at})
+                     "fits": p.fits, "peak_at": p.peak_at, "peak_phase": p.peak_phase,
+                     **{f"phase_{name}": round(phases[name] / gib, 3) if name in phases else "" for name in PHASES},
+                     "engine_needs": round(sum(t.nbytes for t in p.engine) / gib, 3) if p.engine else "",
+                     "engine_fits": p.engine_fits if p.engine else ""})
     write_rows(Path(path), rows)
 
 

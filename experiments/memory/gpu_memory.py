@@ -78,7 +78,7 @@ def child(model: str, method: str, a: dict) -> dict:
     # own precision (its config's defaults)
     p = plan(model, method, micro_batch=mb, seq_len=sl, completion_len=sl, micro_batches=1, logprob_chunk=0,
              **{"rank": int(a["rank"]), **cls.plan_options(runner.cfg)}, dtype="bf16", rollout="none", other_gb=0.0,
-             gradient_checkpointing=True)
+             gradient_checkpointing=True, device="cuda", step_control=False, phases=("fwd_bwd", "optimizer"))
     return {"gpu": torch.cuda.get_device_name(dev), "model": model, "method": method, "micro_batch": mb, "seq_len": sl,
             "rank": int(a["rank"]), "peak_bytes": peak, "planner_bytes": p.total_bytes, "planner_peak_at": p.peak_at,
             "planner_over_measured": p.total_bytes / peak}

@@ -74,6 +74,7 @@ class Step:
     share_bytes: int
     other_bytes: int
     step_control: bool
+    reference: bool = False  # a frozen reference model for a KL penalty (train.kl_coef > 0), placed as the policy
     notes: list[str] = field(default_factory=list)
     vllm: Optional[VLLMConfig] = None  # rollout.vllm.* (engine=vllm; None: its defaults)
 
@@ -103,12 +104,15 @@ def phases(st: Step) -> dict[str, list[Term]]:
                              "beside the engine's sketched weights (fp32 masters / Kahan compensations), whole"))
     if st.other_bytes:
         resident.append(Term("other", "CUDA context and allocator reserve", st.other_bytes, "assumed (other_gb)"))
+    reference = [Term("params", "reference model", whole // (g if st.fsdp else 1), "frozen, sharded as the policy")] \
+        if st.reference else []
+    resident += reference
     out: dict[str, list[Term]] = {}
     largest = max([s.embed, s.head] + [m * n for m, n in s.proj])
     reading = min(largest // (g if st.fsdp else 1), READ_ELEMENTS)
     out["init"] = [st.persist[0], Term("activations", "the block of rows being read", reading * 4,
                                        f"at most {READ_ELEMENTS:,} elements, as stored (fp32 assumed)")] \
-        + [t for t in resident if t.category == "other"]  # the engine starts after the policy is built
+        + [t for t in resident if t.category == "other"] + reference  # the engine starts after the models are built
     kv = st.rows * st.seq_len * s.layers * 2 * s.kv_heads * s.head_dim * b
     gen = [Term("activations", "generation KV cache", kv, f"{st.rows} sequences x {st.seq_len} tokens"),
            Term("activations", "a decode step's logits", 2 * st.rows * s.vocab * 4, "fp32, and their softmax")]

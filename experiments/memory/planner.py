@@ -59,7 +59,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "fl
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 OPTIONS = {"gradient_checkpointing", "master_weights", "rollout_share", "logprob_chunk",
            "completion_len", "micro_batches", "attention", "padded", "other_gb", "engine", "device",
-           "step_control", "probe_seqs", "phases", "vllm"}  # beside each method's plan_option_names
+           "step_control", "probe_seqs", "phases", "reference_model", "vllm"}  # beside each method's plan_option_names
 
 
 def presets() -> list[str]:
@@ -457,7 +457,7 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
               sketched_rows=mt.sketched_rows, receiver_bytes=mt.receiver_bytes, dense_layer_grads=mt.dense_layer_grads,
               rows=rows_per_gpu, seq_len=T,
               completion_len=C, probe_seqs=probe, cuda=device == "cuda", engine=engine, share_bytes=0,
-              other_bytes=other, step_control=control, vllm=vllm)
+              other_bytes=other, step_control=control, reference=bool(opts.get("reference_model", False)), vllm=vllm)
     share = engine_reserve(st, capacity) if engine == "vllm" else 0
     st.share_bytes = share
     wanted = opts.get("phases") or PHASES

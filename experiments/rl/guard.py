@@ -136,7 +136,7 @@ def planner_estimate(cfg, model_config: Optional[dict], world_size: int, device:
         p = planner.plan({**model_config, "name": cfg.model.name}, cfg.method, gpus=world_size,
                          gpu_mem_gb=capacity / 2**30, micro_batch=cfg.train.micro_batch_size, seq_len=seq_len,
                          sharding=sharding, rollout="colocated" if cfg.rollout.engine == "vllm" else "none",
-                         dtype=cfg.model.dtype, **method_opts, **opts)
+                         dtype=cfg.model.dtype, device="cuda" if device.type == "cuda" else "cpu", **method_opts, **opts)
     except Exception as e:  # noqa: BLE001  (the message must not fail in turn)
         return f"The memory planner could not estimate this run ({type(e).__name__}: {e})."
     gib = 2**30

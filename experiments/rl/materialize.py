@@ -157,14 +157,28 @@ def _initialized_value(model: nn.Module, module: nn.Module, pname: str) -> torch
 
 
 def skeleton(config, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
-    """The model of ``config`` with every parameter on the meta device (buffers real), tied as the
-    config says: no memory for weights, and nothing initialized."""
+    """The model of ``config`` with every parameter on the meta device, tied as the config says: no
+    memory for weights (nothing is allocated, not even a tensor at a time), nothing initialized.
+    Buffers (RoPE's inverse frequencies: computed, not stored) come real from a one-layer donor model
+    of the same config, whose parameters are meta as well."""
+    import copy
+
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False), torch.random.fork_rng():  # draws nothing from the caller's RNG
+    with torch.device("meta"), torch.random.fork_rng():  # draws nothing from the caller's RNG
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
     model.tie_weights()
+    donor_config = copy.deepcopy(config)
+    donor_config.num_hidden_layers, donor_config.vocab_size = 1, 8
+    with init_empty_weights(include_buffers=False), torch.random.fork_rng():
+        donor = AutoModelForCausalLM.from_config(donor_config, dtype=dtype, attn_implementation=attn_implementation)
+    values = dict(donor.named_buffers())
+    for name, b in list(model.named_buffers()):
+        if name not in values:
+            raise ValueError(f"skeleton: no value for the buffer {name!r} (a per-layer buffer the one-layer donor lacks)")
+        owner, _, bname = name.rpartition(".")
+        model.get_submodule(owner)._buffers[bname] = values[name]
     return model
 
 

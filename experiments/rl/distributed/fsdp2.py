@@ -1,23 +1,27 @@
 """``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every decoder layer and the root (dim-0 row shards).
 
-FSDP reduce-scatters the dense gradients in backward; ``logra``'s sketches are all-reduced once per
-step and each rank's RowAdam update D_k A touches only its own rows (A rebuilt from its seed).
-Rollouts and evaluation run on the whole weights (gathered once per phase, then resharded).
-The chunked LM head (``train.logprob_chunk > 0``) runs inside the root module's forward
-(:func:`~experiments.rl.distributed.base.through_root`), where FSDP gathers the head and embedding
-and from which its backward reduce-scatters their gradients: no tokens × vocab logits exist on any
-rank. Step control (:meth:`FSDP2.predict_kl`) predicts on the gathered weights: each rank's low-rank
-hooks get a layer's whole D (an all-gather of the m × r factor rows) and A from its seed, the dense
-Δ of sharded tensors is gathered, each rank probes its share and the prediction is the
-token-weighted mean over ranks, as under ddp. A rollout engine with its own copy
-(``rollout.engine=hf|vllm``: one engine per rank) starts from a fresh skeleton and follows the
-trainer through :class:`GatheringSender` payloads: each sketched weight's L = −η·s·D with its rows
-gathered from their owners (A from the seed), the changed dense tensors gathered whole; the
-checksum is taken on the gathered tensors, so every rank's copy is verified against the same
-digest. Checkpoints are sharded (``torch.distributed.checkpoint``,
-:mod:`experiments.rl.sharded_checkpoint`): each rank writes its model shards and its rows of the
-method state; a run resumes on the same world size (tests/test_distributed.py: weights within 1e-6,
-the same step scales and losses), or in one process.
+No rank, and no host process, holds a whole copy of the model (docs/distributed.md, "fsdp2"):
+
+* **load** (:meth:`FSDP2.build_model`, :meth:`FSDP2.build_reference`): the skeleton is sharded on the meta
+  device, then each rank allocates and reads only its own rows (experiments/rl/materialize.py);
+* **step**: FSDP reduce-scatters the dense gradients in backward; ``logra``'s sketches are reduced once
+  per step and each rank's RowAdam update D_k A touches only its own rows (A rebuilt from its seed).
+  The chunked LM head (``train.logprob_chunk > 0``) runs inside the root module's forward
+  (:func:`~experiments.rl.distributed.base.through_root`), where FSDP gathers the head and embedding
+  and from which its backward reduce-scatters their gradients: no tokens × vocab logits exist;
+* **KL prediction** (:meth:`FSDP2.predict_kl`): the secant predictor rides on FSDP2's own per-layer
+  forward (logra_core/layerwise.py: one layer whole at a time, the update's factors as this rank's rows,
+  the head's sums vocabulary-parallel); every rank runs the same forwards, with or without a probe;
+* **sync** (:class:`GatheringSender`): an engine copy per rank (``rollout.engine=hf|vllm``) starts from an
+  unfilled skeleton and follows the trainer: each sketched weight's L = −η·s·D with its rows gathered (A
+  from the seed), changed dense tensors gathered one at a time as the receiver reads them; the checksum
+  is the ranks' on-device digests of their own rows, summed (logra_core/digest.py);
+* **checkpoints** are sharded (``torch.distributed.checkpoint``, :mod:`experiments.rl.sharded_checkpoint`):
+  each rank writes its model shards and its rows of the method state; a run resumes on the same world
+  size or in one process.
+
+Rollouts and evaluation on the trainer's own module (``rollout.engine=shared``) still gather the whole
+weights (:meth:`FSDP2.full_weights`); an engine with its own copy is what avoids that.
 """
 
 from __future__ import annotations
