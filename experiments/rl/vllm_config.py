@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 EXECUTORS = ("auto", "uni", "external_launcher")
 WEIGHT_PATHS = ("auto", "inplace", "reload")
@@ -35,7 +36,7 @@ class VLLMConfig:
     max_model_len: int = 0  # prompt + completion tokens per sequence; 0 = min(4096, the model's limit)
     cuda_graphs: bool = True  # capture CUDA graphs (enforce_eager=False) where weights are updated in place (their addresses never change); the reload path runs eager
     sleep: int = 0  # vLLM sleep mode outside rollouts: 0 stays resident; 1 offloads the weights to host memory and drops the KV cache (woken intact: low-rank payloads still apply); 2 drops both (every wake needs a full payload)
-    seed: int = -1  # sampling seed: -1 = the trainer's seed of this rank (torch.initial_seed(): seed + 1_000_003 x rank); else seed + 1_000_003 x rank
+    seed: Optional[int] = None  # sampling seed: None = the trainer's seed of this rank (torch.initial_seed(): seed + 1_000_003 x rank); else seed + 1_000_003 x rank
 
 
 def validate(cfg: VLLMConfig) -> None:
@@ -79,7 +80,7 @@ def utilization(needed: int, total: int) -> float:
 def engine_seed(cfg: VLLMConfig, rank: int, trainer_seed: int) -> int:
     """This rank's sampling seed: ``trainer_seed`` (the rank's torch seed) unless rollout.vllm.seed is set;
     taken mod 2³² (vLLM seeds numpy's generator with it)."""
-    return (trainer_seed if cfg.seed < 0 else cfg.seed + SEED_STRIDE * rank) % 2**32
+    return (trainer_seed if cfg.seed is None else cfg.seed + SEED_STRIDE * rank) % 2**32
 
 
 def executor(cfg: VLLMConfig, cuda: bool, distributed: bool) -> str:

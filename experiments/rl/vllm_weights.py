@@ -61,6 +61,9 @@ class InPlaceWeights:
         self.params = dict(model.named_parameters())  # a tied head is the embedding's parameter (listed once)
         packed = {k: tuple(v) for k, v in (getattr(model, "packed_modules_mapping", None) or PACKED).items()}
         slots = layout(self.shapes, packed=packed)
+        unfilled = sorted(set(self.params) - {s.target for s in slots.values()})
+        if unfilled:  # they would keep vLLM's dummy weights
+            raise ValueError(f"vLLM parameters no trainer tensor fills: {unfilled[:5]}; use rollout.vllm.weights=reload")
         self.receiver = PartReceiver(views(slots, self.params), {n: s.part for n, s in slots.items()})
         self.tied_head = "lm_head" if self.tied else ""  # vLLM's head module, sharing the embedding's parameter
 
