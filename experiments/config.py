@@ -178,7 +178,15 @@ def run_keys() -> list[str]:
 
 def describe() -> str:
     """Every key with its default and its one-line meaning (``python -m experiments.train --help``)."""
-    nested = {k: t for k, t in get_type_hints(RunConfig).items() if is_dataclass(t)}
+    def sections_of(cls, prefix: str = "") -> dict:  # nested config dataclasses, depth first (rollout, rollout.vllm)
+        out = {}
+        for name, t in get_type_hints(cls).items():
+            if is_dataclass(t):
+                key = f"{prefix}.{name}" if prefix else name
+                out.update({key: t, **sections_of(t, key)})
+        return out
+
+    nested = sections_of(RunConfig)
     sections = {"": RunConfig, **nested, **{name: m.config_cls for name, m in sorted(METHODS.items())}}
     cfg = schema()
     lines = []

@@ -48,7 +48,7 @@ class PlanArgs:
     embeddings: Optional[bool] = None  # logra sketches the embedding and a tied head; default false
     padded: Optional[bool] = None  # prompts of different lengths (a padding mask); default true
     attention: Optional[str] = None  # sdpa | eager; default eager for Gemma-2, else sdpa
-    rollout_share: Optional[float] = None  # fraction of the GPU a colocated vLLM engine reserves; default 0.3
+    rollout_share: Optional[float] = None  # gpu_memory_utilization handed to a colocated vLLM engine; default: what it needs as built
     other_gb: Optional[float] = None  # CUDA context and allocator reserve, GB (an assumption); default 1.0 on cuda, 0 on cpu
     engine: Optional[str] = None  # the rollout engine: vllm (colocated, default with rollout=colocated) | hf (a copy per GPU) | shared | none
     device: Optional[str] = None  # cuda (default: foreach AdamW, the CUDA reserve) | cpu (single-tensor AdamW, no reserve)

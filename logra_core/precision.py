@@ -99,6 +99,71 @@ def merge_lowrank_(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor
             buffer[i : i + rows].copy_(exact.sub_(w.float()))  # the part of X that W could not hold
 
 
+def merge_lowrank_block_(weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, decay: float = 0.0,
+                         decay_first: bool = True, master: str = "fp32", buffer: Optional[torch.Tensor] = None,
+                         key: int = 0, row0: int = 0, col0: int = 0, width: Optional[int] = None) -> None:
+    """:func:`merge_lowrank_` on a block of a bigger weight: ``weight`` (m' × n') holds rows
+    [row0, row0 + m') and columns [col0, col0 + n') of a global m × ``width`` tensor; ``left`` is its
+    rows of L (m' × r) and ``right`` its columns of A (r × n'); ``buffer`` the block of the mode's buffer.
+
+    The result is the same block of the whole merge, bit for bit:
+
+    * element (i, j) is global element g = (row0 + i)·width + col0 + j, and the stochastic rounding
+      draws its bits at g (:func:`stochastic_round_bf16_at`);
+    * the product is formed at the whole tensor's width: the block's columns are placed at their global
+      positions in an m'' × width fp32 temporary (and A's columns in an r × width zero matrix), and the
+      same ``addmm_`` as the whole merge runs on it. BLAS picks its kernel by shape, and a product of
+      width n' can round differently from the same columns of the width-``width`` one (seen on CPU at
+      n' = width / 4); an entry never depends on the values of other columns, so the zeros change nothing.
+
+    A block of whole rows (col0 = 0, n' = width) is :func:`merge_lowrank_` with ``offset = row0·width``
+    (a row-sharded weight, as under FSDP2). Rows are merged in blocks of at most
+    :data:`CHUNK_ELEMENTS` // width: the temporary is the same size as the whole merge's.
+    """
+    m, n = weight.shape
+    width = n if width is None else width
+    if col0 == 0 and n == width:
+        merge_lowrank_(weight, left, right, decay, decay_first, master, buffer, key, row0 * width)
+        return
+    if master not in MASTERS:
+        raise ValueError(f"master must be one of {MASTERS}, got {master!r}")
+    full = full_precision(weight)
+    if not full and master in BUFFERED and buffer is None:
+        raise ValueError(f"master={master!r} needs its {BUFFERED[master]} buffer for a {weight.dtype} weight")
+    if not full and master == "stochastic" and weight.dtype != torch.bfloat16:
+        raise ValueError(f"master='stochastic' rounds to bf16; the weight is {weight.dtype}")
+    c1 = col0 + n
+    dtype = weight.dtype if full else torch.float32
+    wide = torch.zeros(right.shape[0], width, dtype=right.dtype, device=right.device)
+    wide[:, col0:c1] = right
+    rows = max(1, CHUNK_ELEMENTS // max(width, 1))
+    cols = torch.arange(col0, c1, dtype=torch.int64, device=weight.device)
+    for i in range(0, m, rows):
+        w = weight[i : i + rows]
+        tmp = torch.zeros(w.shape[0], width, dtype=dtype, device=weight.device)
+        x = tmp[:, col0:c1]
+        if full:
+            x.copy_(w)
+        elif master == "fp32":
+            x.copy_(buffer[i : i + rows])
+        else:
+            x.copy_(w)
+            if master == "kahan":
+                x += buffer[i : i + rows].float()
+        low_rank_update_(tmp, left[i : i + rows], wide, decay, decay_first)
+        if full:
+            w.copy_(x)
+        elif master == "fp32":
+            buffer[i : i + rows].copy_(x)
+            w.copy_(x)
+        elif master == "stochastic":
+            index = torch.arange(row0 + i, row0 + i + w.shape[0], dtype=torch.int64, device=weight.device)
+            w.copy_(stochastic_round_bf16_at(x, key, index[:, None] * width + cols))
+        else:
+            w.copy_(x)
+            if master == "kahan":
+                buffer[i : i + rows].copy_(x.sub_(w.float()))
+
 # ---- counter-based random bits -------------------------------------------------------------------
 def _mix_int(x: int) -> int:
     """A 32-bit integer hash (the xorshift-multiply finalizer of :func:`_mix`), on a Python int."""
@@ -148,4 +213,21 @@ def stochastic_round_bf16(x: torch.Tensor, key: int, offset: int = 0) -> torch.T
     if x.dtype != torch.float32:
         raise ValueError(f"stochastic_round_bf16 takes fp32, got {x.dtype}")
     bits = x.contiguous().view(torch.int32) + random_bits16(x.numel(), key, offset, x.device).view(x.shape)
+    return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
+
+
+def random_bits16_at(index: torch.Tensor, key: int) -> torch.Tensor:
+    """:func:`random_bits16` at explicit element indices (an int64 tensor of any shape): the bits of
+    element i are the same whichever block of the tensor asks for them."""
+    idx = index.to(torch.int64).clone()
+    idx.bitwise_and_(_M32).bitwise_xor_(key & _M32)
+    h = _mix(_mix(idx).bitwise_xor_(_mix_int(key ^ 0x9E3779B9)))
+    return (h >> 16).to(torch.int32)
+
+
+def stochastic_round_bf16_at(x: torch.Tensor, key: int, index: torch.Tensor) -> torch.Tensor:
+    """:func:`stochastic_round_bf16` of fp32 ``x`` with the bits of elements ``index`` (x's shape)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"stochastic_round_bf16_at takes fp32, got {x.dtype}")
+    bits = x.contiguous().view(torch.int32) + random_bits16_at(index.expand(x.shape), key)
     return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)

@@ -42,6 +42,13 @@ Values travel as a :class:`Streamed` mapping: each tensor is produced when the r
 transport) reads it — cloned, or gathered from its shards — and dropped after use, so a full
 resync holds one extra tensor at a time, not a second model.
 
+Parts (:class:`Part`, :class:`PartReceiver`): a receiver may hold only a part of each of the
+trainer's tensors — rows of an inference engine's fused parameter (vLLM's q/k/v), or one
+tensor-parallel shard: a column-parallel layer's rows (its rows of L, all of A) or a row-parallel
+layer's columns (all of L, its columns of A), :func:`shard_op`. A part merges at its global element
+positions (:func:`apply_lowrank_part`), so it equals its slice of the whole merge bit for bit in every
+master mode, and digests at its global positions (:func:`part_digest`), so the shards' digests add up.
+
 Transport is the receiver's business: in process (call :meth:`SyncReceiver.receive`), to another
 process over a gloo :class:`Channel` (:func:`send_payload` / :func:`recv_payload`: a pickled
 header, then each tensor), or into an inference engine.
@@ -59,9 +66,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from logra_core.digest import checksum, digests
+from logra_core.digest import checksum, digests, tensor_digest
 from logra_core.distributed import local, local_rows
-from logra_core.precision import merge_lowrank_, new_buffer, round_key
+from logra_core.precision import merge_lowrank_, merge_lowrank_block_, new_buffer, round_key
 from logra_core.sketch import projection
 
 
@@ -76,12 +83,14 @@ class LowRankOp:
     decay_first: bool = True
     master: str = "fp32"  # how a low-precision weight takes it (logra_core.precision.MASTERS)
     rounding: Optional[tuple] = None  # (seed, step, layer) keying the stochastic rounding
+    columns: Optional[tuple] = None  # (c0, c1): this shard's columns of A (a row-parallel shard, :func:`shard_op`)
 
     def right(self, device) -> torch.Tensor:
         if self.basis is not None:
             return self.basis
         seed, layer, step, kind, rows, cols = self.spec
-        return projection(rows, cols, seed, layer, step, kind, device=device)
+        a = projection(rows, cols, seed, layer, step, kind, device=device)
+        return a if self.columns is None else a[:, self.columns[0] : self.columns[1]]
 
     def nbytes(self) -> int:
         return _nbytes(self.left) + (_nbytes(self.basis) if self.basis is not None else 0)
@@ -262,27 +271,40 @@ class SyncReceiver:
                 buffer = new_buffer(p, op.master)  # as the trainer's optimizer creates it
                 if buffer is not None:
                     masters[name] = buffer
-            apply_lowrank(p, op, buffer=masters.get(name))
+            self._apply(name, op, masters.get(name))
         for name, value in payload.values.items():
-            params[name].copy_(value)
+            self._assign(name, value)
         self.version = payload.version
         return self._verify(payload)
+
+    def _apply(self, name: str, op: LowRankOp, buffer: Optional[torch.Tensor]) -> None:
+        apply_lowrank(self.tensors.params[name], op, buffer=buffer)
+
+    def _assign(self, name: str, value: torch.Tensor) -> None:
+        """Parameter ``name`` ← ``value`` (a whole tensor as the sender holds it)."""
+        self.tensors.params[name].copy_(value)
+
+    def _take(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """What this receiver keeps of a whole master ``value`` (here: all of it)."""
+        return value
 
     def _load_full(self, payload: SyncPayload) -> None:
         """Every tensor in place, one at a time (a streamed payload makes each when read); a master
         is copied into the buffer already kept, else the received one is kept."""
         for name, value in payload.values.items():
-            self.tensors.params[name].copy_(value)
+            self._assign(name, value)
             del value
         masters = self.tensors.masters
         for name in [n for n in masters if n not in payload.masters]:
             del masters[name]
-        for name, value in payload.masters.items():
+        for name, whole in payload.masters.items():
+            value = self._take(name, whole)
             if name in masters and masters[name].shape == value.shape and masters[name].dtype == value.dtype:
                 masters[name].copy_(value)
             else:
-                masters[name] = value.detach().clone() if not isinstance(payload.masters, Streamed) else value
-            del value
+                streamed = isinstance(payload.masters, Streamed) and value is whole
+                masters[name] = value if streamed else value.detach().clone()
+            del value, whole
         self.version = payload.version
 
     def _verify(self, payload: SyncPayload) -> bool:
@@ -290,6 +312,160 @@ class SyncReceiver:
             return True
         self.last_error = f"checksum mismatch at version {payload.version}"
         return False
+
+
+# ---- shards of a tensor-parallel receiver (docs/distributed.md, "vLLM engine") -------------------
+@dataclass(frozen=True)
+class Part:
+    """Rows [row0, row0 + rows) × columns [col0, col0 + cols) of a global tensor of ``shape`` (m × n,
+    or m for a vector): what one tensor-parallel shard of an engine holds of a trainer's tensor.
+
+    Megatron's split (Shoeybi et al., 2019): a column-parallel linear (q/k/v, gate/up, the
+    vocabulary-parallel embedding and head) keeps a block of rows of W; a row-parallel one (o, down)
+    a block of columns. Since W ← W + L A, a row block needs its rows of L and all of A, a column
+    block all of L and its columns of A (:func:`shard_op`)."""
+
+    shape: tuple
+    row0: int = 0
+    rows: int = -1  # -1: to the end
+    col0: int = 0
+    cols: int = -1
+    replica: bool = False  # the whole tensor, held by every shard of the group (norms): digested whole on each
+
+    @staticmethod
+    def rows_of(shape: tuple, rank: int, parts: int) -> "Part":
+        """Shard ``rank`` of ``parts`` equal row blocks (a column-parallel layer)."""
+        m = shape[0]
+        if m % parts:
+            raise ValueError(f"{m} rows do not split into {parts} equal shards")
+        return Part(tuple(shape), rank * (m // parts), m // parts)
+
+    @staticmethod
+    def cols_of(shape: tuple, rank: int, parts: int) -> "Part":
+        """Shard ``rank`` of ``parts`` equal column blocks (a row-parallel layer)."""
+        n = shape[1]
+        if n % parts:
+            raise ValueError(f"{n} columns do not split into {parts} equal shards")
+        return Part(tuple(shape), 0, -1, rank * (n // parts), n // parts)
+
+    @property
+    def row_range(self) -> tuple[int, int]:
+        return self.row0, self.shape[0] if self.rows < 0 else self.row0 + self.rows
+
+    @property
+    def col_range(self) -> tuple[int, int]:
+        n = self.shape[1] if len(self.shape) > 1 else 1
+        return self.col0, n if self.cols < 0 else self.col0 + self.cols
+
+    @property
+    def whole_rows(self) -> bool:
+        """Whether the part is a block of whole rows (contiguous in the global tensor)."""
+        return len(self.shape) < 2 or self.col_range == (0, self.shape[1])
+
+    def take(self, whole: torch.Tensor) -> torch.Tensor:
+        """This part of the whole tensor (a view)."""
+        r0, r1 = self.row_range
+        if len(self.shape) < 2:
+            return whole[r0:r1]
+        c0, c1 = self.col_range
+        return whole[r0:r1, c0:c1]
+
+
+def shard_op(op: LowRankOp, part: Part) -> LowRankOp:
+    """The op a shard holding ``part`` of the weight needs: its rows of L, and its columns of A (a
+    sent basis is sliced; a seeded A is rebuilt whole by the receiver and sliced, ``columns``)."""
+    r0, r1 = part.row_range
+    c0, c1 = part.col_range
+    left = op.left[r0:r1]
+    if part.whole_rows:
+        return replace(op, left=left)
+    basis = None if op.basis is None else op.basis[:, c0:c1]
+    return replace(op, left=left, basis=basis, columns=None if basis is not None else (c0, c1))
+
+
+def apply_lowrank_part(target: torch.Tensor, op: LowRankOp, part: Part,
+                       buffer: Optional[torch.Tensor] = None) -> None:
+    """:func:`apply_lowrank` on a shard: ``target`` holds ``part`` of the weight and ``op`` is the shard's
+    (:func:`shard_op`). The result equals ``part`` of the whole merge bit for bit in every master mode:
+    the stochastic rounding draws at the global element positions (:func:`merge_lowrank_block_`)."""
+    r0, _ = part.row_range
+    c0, _ = part.col_range
+    key = round_key(*op.rounding) if op.rounding is not None else 0
+    merge_lowrank_block_(target, op.left, op.right(target.device), op.decay, op.decay_first, op.master, buffer,
+                         key, r0, c0, part.shape[1])
+
+
+def part_digest(t: torch.Tensor, name: str, part: Part) -> torch.Tensor:
+    """The digest share of ``t`` = ``part`` of tensor ``name``: its words at their global positions, so
+    the shares of a partition add up (mod 2³²) to the whole tensor's digest. A block of whole rows is
+    one contiguous span; a column block is digested row by row (one span each)."""
+    r0, r1 = part.row_range
+    if part.whole_rows:
+        row = t[0].numel() if t.dim() > 1 else 1
+        return tensor_digest(t, name, r0 * row)
+    c0, _ = part.col_range
+    width = part.shape[1]
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for i in range(r1 - r0):
+        total += tensor_digest(t[i], name, (r0 + i) * width + c0)
+    return total.bitwise_and_((1 << 32) - 1)
+
+
+class _Parts(_Tensors):
+    """A receiver's tensors when they are parts of the trainer's: ``views[name]`` holds ``parts[name]``
+    of the trainer's tensor ``name`` (a block of rows of a fused vLLM parameter, a TP shard). Digests
+    are taken at the global positions; ``reduce`` sums the shards' digests (one process: itself)."""
+
+    def __init__(self, views: dict[str, torch.Tensor], parts: dict[str, Part], reduce=None):
+        self.params, self.parts = dict(views), dict(parts)
+        self.masters: dict[str, torch.Tensor] = {}
+        if reduce is not None:
+            self.reduce = reduce
+
+    def checksum(self, names: Iterable[str]) -> str:
+        """Shards' digests are summed over the group (``reduce``, the same entries on every shard); a
+        replica's is its own whole digest, so each shard's copy of a replicated tensor is checked itself."""
+        keys, sums, meta, replica = [], [], {}, []
+        for n in names:
+            p, part = self.params[n], self.parts[n]
+            items = [(n, p.detach())] + ([(n + "@master", self.masters[n])] if n in self.masters else [])
+            for key, t in items:
+                keys.append(key)
+                sums.append(part_digest(t, key, part))
+                meta[key] = (tuple(part.shape), t.dtype)
+                replica.append(part.replica)
+        if not sums:
+            return checksum(keys, torch.zeros(0, dtype=torch.int64), meta)
+        device = sums[0].device
+        stacked = torch.stack([x.to(device) for x in sums])
+        shard = torch.tensor([not r for r in replica], device=device)
+        reduced = self.reduce(stacked * shard)  # replicas enter the group's sum as 0
+        return checksum(keys, torch.where(shard, reduced, stacked), meta)
+
+
+class PartReceiver(SyncReceiver):
+    """A :class:`SyncReceiver` whose tensors are parts of the trainer's (:class:`Part`): views into an
+    engine's own parameters (vLLM's fused q/k/v rows, a tensor-parallel shard). Each op is cut to the
+    part (:func:`shard_op`) and merged at the part's global positions (:func:`apply_lowrank_part`);
+    whole values and masters are cut to the part; buffers (masters, compensations) are created per
+    part, of the part's size. A payload that carries already-cut ops (a TP sender) sets ``cut=True``."""
+
+    def __init__(self, views: dict[str, torch.Tensor], parts: dict[str, Part], reduce=None, cut: bool = False):
+        self.tensors = _Parts(views, parts, reduce)
+        self.version: Optional[int] = None
+        self.resyncs = 0
+        self.last_error = ""
+        self.cut = cut
+
+    def _apply(self, name: str, op: LowRankOp, buffer: Optional[torch.Tensor]) -> None:
+        part = self.tensors.parts[name]
+        apply_lowrank_part(self.tensors.params[name], op if self.cut else shard_op(op, part), part, buffer)
+
+    def _assign(self, name: str, value: torch.Tensor) -> None:
+        self.tensors.params[name].copy_(self.tensors.parts[name].take(value))
+
+    def _take(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return self.tensors.parts[name].take(value)
 
 
 # ---- torch.distributed transport ----------------------------------------------------------------

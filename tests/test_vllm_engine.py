@@ -236,3 +236,36 @@ def test_biases_and_an_untied_head_qwen2():
         assert (r.sampler_logprobs - reference_logprobs(model.eval(), r, 1.0)).abs().max() < 1e-4
     finally:
         eng.close()
+
+
+def test_two_ranks_under_torchrun_each_with_its_own_engine(tmp_path):
+    """vLLM's CPU build under torchrun (gloo, 2 ranks, fsdp2, logra): every rank's engine runs in its own
+    trainer process (external_launcher), samples with the rank's seed, and equals the trainer's gathered
+    weights after every sync, bit for bit, with no resync; the trainer's process group outlives the engine."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, TINY
+
+    tiny = [f"model.{k}={getattr(TINY_VLLM, k)}" for k in ("tiny_hidden_size", "tiny_intermediate_size", "tiny_heads",
+                                                          "tiny_kv_heads")]
+    run = [*TINY, *tiny, "train.steps=3", "eval.every=0", "threads=1", "train.logprob_chunk=0", "method=logra",
+           "logra.rank=8", "logra.lr=1e-3", "rollout.engine=vllm", "rollout.vllm.executor=external_launcher",
+           "rollout.batch_size=8", "dist.strategy=fsdp2", "seed=5", f"out_dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(REPO / "tests" / "dist_entry.py"), json.dumps([run])],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    launched = set(re.findall(r"pid=(\d+)\) INFO .*Using external launcher", log))
+    assert len(launched) == 2, "one engine in each rank's process"
+    seeds = {int(s) for s in re.findall(r"'seed': (\d+)", log)}
+    assert seeds == {5, 5 + 1_000_003}, seeds  # the run's seed + 1,000,003 x rank (vLLM prints its non-default args)
+    for rank in (0, 1):
+        checks = [json.loads(line) for line in (tmp_path / f"engine_check_rank{rank}.jsonl").read_text().splitlines()]
+        assert len(checks) == 4 and all(c["equal"] and c["sync/resyncs"] == 0 for c in checks)
+        assert all(c["sync/bytes"] < c["sync/full_bytes"] for c in checks if not c["full"])

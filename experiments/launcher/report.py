@@ -42,6 +42,10 @@ def plan_memory(run: Run, sweep: Sweep, launcher: dict) -> str:
     kwargs.setdefault("gradient_checkpointing", bool(cfg.model.gradient_checkpointing))
     kwargs.setdefault("engine", {"vllm": "vllm", "hf": "hf", "hf_process": "none"}.get(cfg.rollout.engine, "shared"))
     kwargs.setdefault("reference_model", float(cfg.train.kl_coef) > 0)  # a frozen copy for the KL penalty
+    if cfg.rollout.engine == "vllm":  # the engine as the job builds it (rollout.vllm.*)
+        vllm = dict(cfg.rollout.vllm)
+        vllm["max_num_seqs"] = vllm["max_num_seqs"] or int(cfg.rollout.batch_size)
+        kwargs.setdefault("vllm", vllm)
     control = cfg.get("step_control", {}).get("enabled")
     kwargs.setdefault("step_control", METHODS[cfg.method].step_control_default if control is None else bool(control))
     try:

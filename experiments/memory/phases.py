@@ -6,15 +6,17 @@ and the rollout engine add to each, and returns every phase's terms; the peak is
 with what is alive in it — never a maximum over pieces that coexist.
 
 Per GPU, in every phase: the weights' shard and the method's state (the planner's ``persist``), and
-what stays resident beside the trainer — the rollout engine's share (a colocated vLLM reserves
-``rollout_share`` of the GPU; what it needs as built is :func:`engine_needs`, checked against that
-share), or an ``hf`` engine's whole copy with the receiver's precision buffers, and on CUDA the
-context and allocator reserve (``other_gb``, an assumption). Then per phase:
+what stays resident beside the trainer — a colocated vLLM engine as built (:func:`vllm_terms`, from
+``rollout.vllm.*``: its CUDA graphs' pool and the receiver's precision state always; its weights and KV
+cache too unless it sleeps between rollouts), or an ``hf`` engine's whole copy with the receiver's
+precision buffers, and on CUDA the context and allocator reserve (``other_gb``, an assumption). Then per
+phase:
 
 * ``init`` — the load (experiments/rl/materialize.py): the shards, and the block of rows being read
   (the engine is built after it);
 * ``rollout`` — generation: the KV cache and a decode step's logits; with ``engine=shared`` under FSDP
-  the trainer's weights gathered whole (what the engine samples from);
+  the trainer's weights gathered whole (what the engine samples from); a vLLM engine's weights, KV
+  budget and decode workspace (woken here when it sleeps);
 * ``fwd_bwd`` — the largest of the step's candidates (backward, recompute, backward_end) plus, under
   FSDP, the root's parameters gathered (embedding, final norm, head: the chunked head runs inside the
   root's forward), two decoder layers gathered (current and prefetched) and one layer's unsharded
@@ -27,14 +29,17 @@ context and allocator reserve (``other_gb``, an assumption). Then per phase:
   of every stepped element, ``_foreach_sqrt`` of the second moments, baselines/memory_terms.py);
 * ``sync`` — the payload to the engine (logra_core/sync.py): every sketched weight's L gathered whole
   (m × r fp32), the largest changed dense tensor gathered whole (one at a time), the digest's work
-  buffer; the gradients or sketches are still alive.
+  buffer; the gradients or sketches are still alive; a sleeping vLLM engine's weights are woken
+  for it (its KV cache is not: verl's order, weights, sync, then KV).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from baselines.memory_terms import Term
+from experiments.rl.vllm_config import VLLMConfig, engine_bytes, utilization
 
 PHASES = ("init", "rollout", "fwd_bwd", "kl_predict", "optimizer", "sync")
 TRAIN_CANDIDATES = ("backward", "recompute", "backward_end")  # inside fwd_bwd
@@ -71,6 +76,7 @@ class Step:
     step_control: bool
     reference: bool = False  # a frozen reference model for a KL penalty (train.kl_coef > 0), placed as the policy
     notes: list[str] = field(default_factory=list)
+    vllm: Optional[VLLMConfig] = None  # rollout.vllm.* (engine=vllm; None: its defaults)
 
 
 def _one_layer_factors(st: Step) -> int:
@@ -86,9 +92,11 @@ def phases(st: Step) -> dict[str, list[Term]]:
     root = (s.embed + s.head + s.hidden) * b
     layer = s.layer_params * b
     resident = []
-    if st.engine == "vllm" and st.share_bytes:
-        resident.append(Term("rollout", "colocated vLLM engine (its reserve)", st.share_bytes,
-                             "gpu_memory_utilization: its weights and KV cache inside that share"))
+    engine = vllm_terms(st) if st.engine == "vllm" else {}
+    asleep = st.engine == "vllm" and (st.vllm or VLLMConfig()).sleep > 0
+    for key in ("graphs", "precision", "shadow") + (() if asleep else ("weights", "kv")):
+        if key in engine:
+            resident.append(engine[key])
     if st.engine == "hf":
         resident.append(Term("rollout", "hf engine copy", whole, "the whole policy in the weight dtype, per GPU"))
     if st.engine == "hf" and st.receiver_bytes and st.sketched_rows:
@@ -113,8 +121,8 @@ def phases(st: Step) -> dict[str, list[Term]]:
                                               "FSDP: every layer unsharded while sampling")] if sharded else []) + gen + resident
     elif st.engine == "hf":
         out["rollout"] = st.persist + gen + resident
-    elif st.engine == "vllm":  # the engine generates inside its reserve (engine_needs: what it needs as built)
-        out["rollout"] = st.persist + resident
+    elif st.engine == "vllm":  # the engine samples: woken if it sleeps, with its decode workspace
+        out["rollout"] = st.persist + resident + [engine["workspace"]] + ([engine["weights"], engine["kv"]] if asleep else [])
     gathers = []
     if sharded:
         gathers = [Term("other", "FSDP root gathered", root, "embedding, final norm, head: the chunked head runs in the root's forward"),
@@ -146,19 +154,56 @@ def phases(st: Step) -> dict[str, list[Term]]:
                         "every sketched weight's L = −η·s·D, m x r fp32, whole")] if st.sketched_rows else []
         payload += [Term("activations", "a changed dense tensor gathered", biggest_dense, "streamed: one at a time"),
                     Term("activations", "digest work buffer", DIGEST_BUFFER, "int32 products of one block group")]
-        out["sync"] = st.persist + st.grads + payload + resident
+        woken = [replace_note(engine["weights"], "woken for the sync (sleep mode); its KV cache is not")] if asleep else []
+        out["sync"] = st.persist + st.grads + payload + resident + woken
     return out
 
 
-def engine_needs(st: Step, max_model_len: int) -> list[Term]:
-    """What a colocated vLLM engine needs as the harness builds it today (one engine per GPU, tensor
-    parallel size 1, a shadow copy and the receiver's buffers beside it), to compare with its share."""
-    s, b = st.s, st.b
-    terms = [Term("rollout", "vLLM weights (tensor_parallel_size=1)", s.total * b, "the whole policy per GPU"),
-             Term("rollout", "vLLM KV cache for one step's rollouts", st.rows * max_model_len * s.layers * 2 * s.kv_heads * s.head_dim * b,
-                  f"{st.rows} sequences x {max_model_len} tokens"),
-             Term("rollout", "the engine's shadow copy", s.total * b, "the policy the payloads are applied to (experiments/rl/vllm_engine.py)")]
+def replace_note(t: Term, note: str) -> Term:
+    return Term(t.category, t.name, t.nbytes, note)
+
+
+def vllm_terms(st: Step) -> dict[str, Term]:
+    """A colocated vLLM engine as the harness builds it (experiments/rl/vllm_engine.py), per GPU, by term:
+    its weights (tensor_parallel_size = 1: the whole policy), the KV budget, the decode workspace, the
+    CUDA graphs' pool (an assumed constant; graphs are not freed by sleep mode), the receiver's precision
+    state (beside vLLM's weights: 4 B per sketched element for fp32 masters, 2 for Kahan compensations,
+    none for stochastic rounding or none), and on the CPU build the shadow copy payloads are replayed on.
+    The in-place path (CUDA) keeps no shadow copy."""
+    s, b, v = st.s, st.b, st.vllm or VLLMConfig()
+    seqs, length = v.max_num_seqs or st.rows, v.max_model_len or st.seq_len
+    n = engine_bytes(params=s.total, layers=s.layers, kv_heads=s.kv_heads, head_dim=s.head_dim, vocab=s.vocab,
+                     hidden=s.hidden, inter=s.inter, dtype_bytes=b, max_num_seqs=seqs, max_model_len=length,
+                     kv_cache_bytes=int(v.kv_cache_gb * 2**30), cuda_graphs=st.cuda and v.cuda_graphs)
+    sleep = {0: "resident", 1: "asleep: offloaded to host memory", 2: "asleep: dropped"}[v.sleep]
+    out = {"weights": Term("rollout", "vLLM weights (tensor_parallel_size=1)", n["weights"],
+                           f"the whole policy per GPU, updated in place; outside rollouts {sleep}"),
+           "kv": Term("rollout", "vLLM KV cache", n["kv"],
+                      f"{seqs} sequences x {length} tokens" if not v.kv_cache_gb else f"rollout.vllm.kv_cache_gb={v.kv_cache_gb}"),
+           "workspace": Term("activations", "vLLM decode workspace", n["workspace"],
+                             "fp32 logits and softmax of the decoded rows, one layer's prefill chunk")}
+    if n["graphs"]:
+        out["graphs"] = Term("rollout", "vLLM CUDA graphs' pool", n["graphs"], "assumed; kept while asleep")
     if st.receiver_bytes and st.sketched_rows:
-        terms.append(Term("rollout", "the receiver's precision buffers", s.n_proj * st.receiver_bytes,
-                          "fp32 masters / Kahan compensations of the sketched weights, whole"))
-    return terms
+        out["precision"] = Term("rollout", "the receiver's precision state", s.n_proj * st.receiver_bytes,
+                                "fp32 masters / Kahan compensations of the sketched weights, beside vLLM's")
+    if not st.cuda:
+        out["shadow"] = Term("rollout", "the engine's shadow copy (CPU build: weights reloaded)", s.total * b,
+                             "the policy the payloads are replayed on")
+    return out
+
+
+def engine_reserve(st: Step, capacity: int) -> int:
+    """The bytes vLLM is told it may use (gpu_memory_utilization x the GPU): rollout.vllm's, else what
+    the engine needs as built while it samples (weights, KV, workspace, graphs), rounded up to 1 %."""
+    v, t = st.vllm or VLLMConfig(), vllm_terms(st)
+    fraction = v.gpu_memory_utilization or utilization(sum(t[k].nbytes for k in ("weights", "kv", "workspace", "graphs")
+                                                           if k in t), capacity)
+    return int(fraction * capacity)
+
+
+def engine_needs(st: Step, max_model_len: int = 0) -> list[Term]:
+    """What a colocated vLLM engine holds while it samples, as built (:func:`vllm_terms`), to compare
+    with the share it is handed (:func:`engine_reserve`; the precision state and a CPU shadow lie
+    outside vLLM's own allocations)."""
+    return list(vllm_terms(st).values())

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from baselines.memory_terms import CATEGORIES, PlanContext, Term
-from experiments.memory.phases import ENGINES, PHASES, TRAIN_CANDIDATES, Step, engine_needs
+from experiments.memory.phases import ENGINES, PHASES, TRAIN_CANDIDATES, Step, engine_needs, engine_reserve
 from experiments.memory.phases import phases as phase_terms
 
 PRESET_DIR = Path(__file__).with_name("presets")
@@ -59,7 +59,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "fl
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 OPTIONS = {"gradient_checkpointing", "master_weights", "rollout_share", "logprob_chunk",
            "completion_len", "micro_batches", "attention", "padded", "other_gb", "engine", "device",
-           "step_control", "probe_seqs", "phases", "reference_model"}  # beside each method's plan_option_names
+           "step_control", "probe_seqs", "phases", "reference_model", "vllm"}  # beside each method's plan_option_names
 
 
 def presets() -> list[str]:
@@ -157,13 +157,14 @@ class Plan:
     phases: dict[str, list[Term]] = field(default_factory=dict)  # every planned phase's terms (experiments/memory/phases.py)
     peak_phase: str = ""
     engine: list[Term] = field(default_factory=list)  # what a colocated vLLM engine needs as built, against its share
+    engine_reserve: int = 0  # the share vLLM is handed (gpu_memory_utilization x the GPU)
 
     def phase_bytes(self) -> dict[str, int]:
         return {name: int(sum(t.nbytes for t in ts)) for name, ts in self.phases.items()}
 
     @property
     def engine_share(self) -> int:
-        return int(sum(t.nbytes for t in self.terms if t.name.startswith("colocated vLLM engine")))
+        return self.engine_reserve
 
     @property
     def engine_fits(self) -> bool:
@@ -235,8 +236,10 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     different lengths, so HF passes a padding mask to SDPA and repeats k/v to every head; False: equal
     lengths, no mask), ``attention`` (``sdpa`` or ``eager``;
     default eager for Gemma-2, whose attention softcapping SDPA refuses), ``rollout_share`` (fraction
-    of the GPU a colocated vLLM engine reserves, default 0.3), ``other_gb`` (CUDA context and
-    allocator slack, default 1.0).
+    of the GPU handed to a colocated vLLM engine as gpu_memory_utilization; default: what it needs as
+    built), ``vllm`` (the ``rollout.vllm`` section: sleep level, KV budget, CUDA graphs, sequences;
+    experiments/memory/phases.py ``vllm_terms``), ``other_gb`` (CUDA context and allocator slack,
+    default 1.0).
     """
     from baselines import METHODS  # the registry: each method's memory terms (imports the methods, and torch)
 
@@ -432,15 +435,18 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     engine = str(opts.get("engine") or ("none" if rollout in ("none", None, False, "external") else "vllm"))
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
-    share = 0
-    if engine == "vllm":
-        fraction = float(rollout) if isinstance(rollout, (int, float)) or str(rollout).replace(".", "", 1).isdigit() \
-            else float(opts.get("rollout_share", 0.3))
-        if not 0.0 <= fraction < 1.0:
+    from experiments.rl.vllm_config import VLLMConfig
+
+    vllm = VLLMConfig(**dict(opts.get("vllm") or {}))  # rollout.vllm.*: the engine as built (phases.vllm_terms)
+    fraction = float(rollout) if isinstance(rollout, (int, float)) or str(rollout).replace(".", "", 1).isdigit() \
+        else opts.get("rollout_share")
+    if engine == "vllm" and fraction is not None:  # a share given by hand is the gpu_memory_utilization vLLM gets
+        if not 0.0 <= float(fraction) < 1.0:
             raise ValueError(f"rollout share must be in [0, 1), got {fraction}")
-        share = int(fraction * capacity)
+        vllm.gpu_memory_utilization = float(fraction)
     other = int(float(opts.get("other_gb", 1.0 if device == "cuda" else 0.0)) * 2**30)
-    A.append(f"rollout engine: {engine}" + (f", reserving {share / 2**30:.1f} GiB" if share else "")
+    A.append(f"rollout engine: {engine}" + (f", rollout.vllm sleep={vllm.sleep}, cuda_graphs={vllm.cuda_graphs}"
+                                             if engine == "vllm" else "")
              + (f"; CUDA context and allocator reserve {other / 2**30:.1f} GiB (assumed)" if other else ""))
     control = opts.get("step_control")
     control = cls.step_control_default if control is None else bool(control)
@@ -450,8 +456,10 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
               grads=grads_all if mt.grads_at_step else [], update=mt.step, candidates=cands, rank=r,
               sketched_rows=mt.sketched_rows, receiver_bytes=mt.receiver_bytes, dense_layer_grads=mt.dense_layer_grads,
               rows=rows_per_gpu, seq_len=T,
-              completion_len=C, probe_seqs=probe, cuda=device == "cuda", engine=engine, share_bytes=share,
-              other_bytes=other, step_control=control, reference=bool(opts.get("reference_model", False)))
+              completion_len=C, probe_seqs=probe, cuda=device == "cuda", engine=engine, share_bytes=0,
+              other_bytes=other, step_control=control, reference=bool(opts.get("reference_model", False)), vllm=vllm)
+    share = engine_reserve(st, capacity) if engine == "vllm" else 0
+    st.share_bytes = share
     wanted = opts.get("phases") or PHASES
     by_phase = {name: ts for name, ts in phase_terms(st).items() if name in wanted}
     totals = {name: sum(t.nbytes for t in ts) for name, ts in by_phase.items()}
@@ -467,6 +475,15 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
                 "micro_batches": k, "rank": r, "sharding": sharding, "rollout": rollout, "dtype": dtype,
                 "gradient_checkpointing": ckpt, "logprob_chunk": chunk, "engine": engine, "step_control": control,
                 "device": device}
-    engine_terms = engine_needs(st, T) if engine == "vllm" else []
+    engine_terms = engine_needs(st) if engine == "vllm" else []
+    if engine == "vllm":
+        start = sum(t.nbytes for t in persist) + other + share
+        A.append(f"vLLM starts beside the loaded trainer: gpu_memory_utilization {share / capacity:.2f} "
+                 f"({share / 2**30:.1f} GiB) + the trainer's resident {(start - share) / 2**30:.1f} GiB = "
+                 f"{start / 2**30:.1f} GiB " + ("<=" if start <= capacity else "> (vLLM's start-up check refuses)")
+                 + f" {capacity / 2**30:.0f} GiB; weights in place (no shadow copy), tensor_parallel_size=1")
+        if vllm.sleep == 1:
+            A.append(f"sleep level 1: vLLM's weights ({engine_terms[0].nbytes / 2**30:.1f} GiB) live in pinned host "
+                     "memory outside rollouts and syncs, per rank")
     return Plan(name, method, list(by_phase[peak_phase]), capacity, A, settings, candidates, peak_at,
-                phases=by_phase, peak_phase=peak_phase, engine=engine_terms)
+                phases=by_phase, peak_phase=peak_phase, engine=engine_terms, engine_reserve=share)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import copy
 import importlib
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessor, LogitsProcessorList
+
+from experiments.rl.vllm_config import VLLMConfig
 
 
 @dataclass
@@ -28,7 +31,8 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass (Holtzman et al., 2020); 1 = off
     max_new_tokens: int = 64  # completion budget; longer completions are truncated (no EOS)
-    batch_size: int = 64  # sequences per generate call
+    batch_size: int = 64  # sequences per generate call (vllm: sequences decoded at once unless rollout.vllm.max_num_seqs)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # rollout.engine=vllm: executor, memory share, KV budget, sleep, seed (experiments/rl/vllm_config.py)
 
 
 @dataclass
@@ -115,6 +119,7 @@ class RolloutEngine:
 
     holds_copy = False  # True for engines with their own copy of the policy, kept equal by weight sync
     last_error = ""  # why the last ``receive`` failed
+    needs_full = False  # True while only a full payload can update the copy (vLLM after sleep level 2)
 
     def generate(self, prompts: list[str], n: int = 1, greedy: bool = False, max_new_tokens: int = 0) -> Rollouts:
         raise NotImplementedError
@@ -123,6 +128,11 @@ class RolloutEngine:
         """Apply a weight-sync payload (:mod:`logra_core.sync`) to the engine's copy; False = a full
         payload is needed (a version gap or a checksum mismatch)."""
         raise NotImplementedError(f"{type(self).__name__} holds no copy of the policy to sync")
+
+    def sampling(self):
+        """Context around a batch of ``generate`` calls (a step's rollouts, an evaluation): an engine may
+        free memory when it ends (vLLM's sleep mode)."""
+        return nullcontext()
 
     def close(self) -> None:
         """Release what the engine holds (a worker process)."""

@@ -30,6 +30,7 @@ class WeightSync:
             return {}
         t0 = time.perf_counter()
         ops, changed, masters = method.sync_entries()
+        full = full or self.engine.needs_full  # an engine whose copy was dropped (vLLM sleep level 2)
         payload = self.sender.full(masters) if full else self.sender.delta(ops, changed, masters)
         sent, resyncs = payload.nbytes(), 0
         if not self.sender.agree(self.engine.receive(payload)):  # a sharded sender's ranks resync together

@@ -176,7 +176,7 @@ class GRPOTrainer:
     def _policy_weights(self):
         """The trainer's whole weights while the engine samples from them (sharded strategies gather
         them); nothing where the engine holds its own copy."""
-        return nullcontext() if self.engine.holds_copy else self.dist.full_weights(self.model)
+        return self.engine.sampling() if self.engine.holds_copy else self.dist.full_weights(self.model)
 
     def _prompts(self, problems) -> list[str]:
         return [format_prompt(self.tokenizer, p, self.cfg.task.instruction) for p in problems]

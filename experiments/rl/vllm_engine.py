@@ -1,53 +1,60 @@
-"""A vLLM rollout engine that follows the trainer through weight-sync payloads (docs/design.md §3.3, §7).
+"""A vLLM rollout engine that follows the trainer through weight-sync payloads (docs/design.md §3.3, §7;
+docs/distributed.md, "vLLM engine").
 
-``rollout.engine=vllm``. The engine keeps a CPU *shadow* copy of the policy with a
-:class:`~logra_core.sync.SyncReceiver` on it. A payload is applied and verified on the shadow, bit for
-bit as in the ``hf`` engine; then the tensors it touched are pushed into vLLM as full tensors by
-``collective_rpc("reload_weights")``. On the CPU build vLLM repacks every linear weight for oneDNN
-(the parameter becomes a ``(0,)`` tensor), so nothing can be edited in place and a low-rank update
-W ← W + L A reaches the engine as the rebuilt W of the touched layers. Two rules the CPU build imposes
-(README, "vLLM engine"):
+``rollout.engine=vllm``, settings in ``rollout.vllm.*`` (:class:`~experiments.rl.vllm_config.VLLMConfig`).
+One engine per trainer process, colocated with the trainer:
 
-* a layer is reloaded whole: q/k/v (``qkv_proj``), gate/up (``gate_up_proj``), a weight and its
-  bias travel together, or what was not sent is left as uninitialized memory;
-* a tied LM head keeps its own packed copy of the embedding: after the embedding is reloaded the head
-  is repacked (``quant_method.process_weights_after_loading``), and the prefix cache is reset after
-  every push, since cached keys/values came from the old weights.
-
-The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
-executor, eager mode), so tensors and callables reach the worker by reference. vLLM is imported
-only when the engine is built: this module imports without it.
+* **start** (:func:`start_llm`): under torchrun on CUDA the ``external_launcher`` executor (vLLM's one
+  worker in this process, on ``cuda:LOCAL_RANK`` — as TRL's colocate mode and verl's hybrid engine run
+  it), tensor_parallel_size 1; ``gpu_memory_utilization`` (vLLM's start-up check) and the KV budget
+  (``kv_cache_memory_bytes``) from the config, by default what the engine needs as built
+  (:func:`~experiments.rl.vllm_config.engine_bytes`, the planner's terms); this rank's seed; CUDA graphs
+  on where weights are updated in place. Elsewhere (vLLM's CPU build, one process) the in-process
+  ``uni`` executor, eager. vLLM is imported only here: this module imports without it.
+* **weights** (:mod:`experiments.rl.vllm_weights`): ``inplace`` applies each payload to vLLM's own
+  parameters through views (no shadow copy, no reload); ``reload`` (the CPU build, which repacks weights)
+  replays it on a shadow copy and reloads the touched layers.
+* **sleep** (``rollout.vllm.sleep``, vLLM's sleep mode, CUDA only): when the trainer is done sampling
+  (the end of :meth:`sampling`: a step's rollouts, an evaluation) the engine sleeps — level 1 offloads
+  its weights to host memory and drops the KV cache, level 2 drops both. A
+  payload wakes the weights first (they return to the same addresses, so views and CUDA graphs stay
+  valid) and is applied there; ``generate`` then wakes the KV cache (verl's order: weights, sync, KV).
+  After level 2 the weights are garbage until a full payload arrives: :attr:`needs_full` asks the sender
+  for one, so every step is a full-weight sync (the low-rank saving is lost; level 1 keeps it).
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import logging
 import os
 import shutil
 import tempfile
-import time
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from experiments.rl.rollout import RolloutConfig, RolloutEngine, Rollouts, _as_list, _pad, copy_policy, register_engine
-from logra_core.sync import SyncPayload, SyncReceiver
+from experiments.rl.rollout import RolloutConfig, RolloutEngine, Rollouts, _as_list, _pad, register_engine
+from experiments.rl.vllm_config import (MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, engine_bytes, engine_seed, executor,
+                                        utilization, validate, weight_path)
+from experiments.rl.vllm_weights import WEIGHT_PATHS
+from logra_core.sync import SyncPayload
 
-KV_CACHE_BYTES = 1 << 30  # the engine's KV cache on CPU; VLLM_CPU_KVCACHE_SPACE (GiB) overrides
-MAX_MODEL_LEN = 4096  # prompt + completion tokens per sequence (capped by the model's own limit)
-# torch threads while vLLM samples: vLLM serves with 1 (idle OpenMP workers spin after each parallel
+CPU_KV_CACHE_BYTES = 1 << 30  # the CPU build's KV cache unless rollout.vllm.kv_cache_gb or VLLM_CPU_KVCACHE_SPACE (GiB)
+# torch threads while vLLM samples on CPU: vLLM serves with 1 (idle OpenMP workers spin after each parallel
 # region). Measured here, SmolLM2 fp32, 8 × 24 tokens on 2 cores beside a busy trainer: 3–4 s with 1
 # thread, 31–32 s with 2.
 SAMPLING_THREADS = 1
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+_KEPT: list = []  # closed external_launcher engines, alive until the process exits (VLLMEngine.close)
 
 
 @register_engine("vllm")
 class VLLMEngine(RolloutEngine):
-    """vLLM sampling on a policy copy that only sync payloads update (see the module docstring)."""
+    """vLLM sampling on weights that only sync payloads update (see the module docstring)."""
 
     holds_copy = True
 
@@ -57,69 +64,103 @@ class VLLMEngine(RolloutEngine):
         if not isinstance(model, PreTrainedModel):
             raise ValueError(f"rollout.engine=vllm needs a plain HF model (got {type(model).__name__}; "
                              "LoRA adapters would go through vLLM's LoRA path, not implemented)")
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.shadow = copy_policy(model, factory)  # FSDP2: a skeleton the first full sync fills
-        self.receiver = SyncReceiver(self.shadow)
-        self.params = dict(self.shadow.named_parameters())
+        validate(cfg.vllm)
+        self.cfg, self.tokenizer, self.vcfg = cfg, tokenizer, cfg.vllm
+        device = next(model.parameters()).device
+        cuda = _is_cuda(device)
+        if self.vcfg.sleep and not cuda:
+            raise ValueError("rollout.vllm.sleep needs vLLM's CUDA build (its sleep mode maps CUDA memory); use 0 on CPU")
+        self.weights = WEIGHT_PATHS[weight_path(self.vcfg, cuda)](model, factory)
         self.eos = _as_list(model.generation_config.eos_token_id)
         self.dir = Path(tempfile.mkdtemp(prefix="logra-vllm-"))  # removed by close, or at exit at the latest
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
-        _write_model_dir(self.shadow, tokenizer, self.dir)
-        self.llm = _start_llm(self.dir, self.shadow)
-        self.fused, self.tied_head = self.llm.collective_rpc(_layout)[0]
-        self.embedding = next(n for n, p in self.params.items() if p is self.shadow.get_input_embeddings().weight)
-        # the reloader warns about every layer a partial push leaves alone (and the tied head, rebuilt
-        # below); what vLLM computes with is checked by reading it back (tests/test_vllm_engine.py)
-        for part in ("inplace", "layerwise"):
-            logging.getLogger(f"vllm.model_executor.model_loader.reload.{part}").setLevel(logging.ERROR)
-        self.push_s = 0.0  # seconds spent in the last push into vLLM
+        _write_model_dir(getattr(self.weights, "shadow", model), tokenizer, self.dir, self.weights.writes_weights)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = torch.distributed.get_rank() if distributed else 0
+        world = torch.distributed.get_world_size() if distributed else 1
+        self.executor = executor(self.vcfg, cuda, distributed)
+        self.llm = start_llm(self.dir, cfg, model, device, rank, world, distributed, load_format=self.weights.load_format,
+                             total_memory=_total_memory(device), cuda=cuda)
+        self.weights.attach(self.llm)
+        self.tied_head = self.weights.tied_head
+        self.asleep: set[str] = set()
+        self.discarded = False  # sleep level 2 dropped the weights: only a full payload restores them
+        self.stale_cache = False  # the prefix cache holds keys/values of older weights
+        self.sleep()
+
+    # ---- sleep mode ----------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until it is needed (rollout.vllm.sleep; 0: stay resident)."""
+        level = self.vcfg.sleep
+        if level and not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep = {"weights", "kv_cache"}
+            self.discarded = self.discarded or level == 2
+
+    @contextmanager
+    def sampling(self):
+        """Around a step's rollouts or an evaluation (the trainer's): asleep again when it ends."""
+        try:
+            yield self
+        finally:
+            self.sleep()
+
+    def wake(self, *tags: str) -> None:
+        todo = [t for t in tags if t in self.asleep]
+        if todo:
+            torch.cuda.empty_cache()  # vLLM's pool maps memory outside torch's cache (TRL does the same)
+            self.llm.wake_up(tags=todo)
+            self.asleep -= set(todo)
+
+    @property
+    def needs_full(self) -> bool:
+        """Whether only a full payload can bring the engine up to date (sleep level 2 dropped its weights)."""
+        return self.discarded
 
     # ---- sync ------------------------------------------------------------------------------------
     @property
     def last_error(self) -> str:
-        return self.receiver.last_error
+        return self.weights.last_error
 
     def receive(self, payload: SyncPayload) -> bool:
-        """Apply and verify ``payload`` on the shadow, then push the touched tensors into vLLM."""
-        if not self.receiver.receive(payload):
-            return False  # the shadow may be half-updated: the full payload that follows pushes all
-        self.push(payload.touched())
-        return True
+        """Apply and verify ``payload`` on the weights (woken first)."""
+        self.wake("weights")
+        if self.discarded and not payload.full:
+            self.weights.receiver.last_error = "sleep level 2 discarded the weights: a full payload is needed"
+            for _ in payload.values.values():  # read and dropped, as a sharded sender's ranks gather them together
+                pass
+            return False
+        ok = self.weights.receive(payload, self.llm)
+        self.discarded = self.discarded and not (ok and payload.full)
+        self.stale_cache = True
+        return ok
 
-    @torch.no_grad()
-    def push(self, names: list[str]) -> None:
-        """Reload the shadow's ``names`` into vLLM, each with the rest of its fused group."""
-        t0 = time.perf_counter()
-        send = list(dict.fromkeys(m for n in names for m in self.fused.get(n, (n,)) if m in self.params))
-        weights = [(n, self.params[n].detach()) for n in send]
-        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights))
-        if self.tied_head and self.embedding in send:
-            self.llm.collective_rpc(_repack_head, args=(self.tied_head,))
-        self.llm.reset_prefix_cache()
-        self.push_s = time.perf_counter() - t0
+    @property
+    def push_s(self) -> float:
+        return getattr(self.weights, "push_s", 0.0)
 
     def resident_tensors(self) -> list[torch.Tensor]:
-        return [*self.shadow.parameters(), *self.receiver.tensors.masters.values()]
+        return self.weights.buffers() if "weights" in self.asleep else self.weights.resident()
 
     def state_dict(self, tied: bool = False) -> dict[str, torch.Tensor]:
-        """The weights vLLM computes with, read back, by HF parameter name (a linear layer's weight by
-        running its packed kernel on an identity matrix). ``tied``: add the tied LM head as read back
-        from its own packed copy, under the head's name."""
-        vocab = self.params[self.embedding].shape[0]
-        weights = self.llm.collective_rpc(_read_weights, args=(vocab,))[0]
-        out = {n: weights[n] for n in self.params}
-        if tied and self.tied_head:
-            out[self.tied_head + ".weight"] = weights[self.tied_head + ".weight"]
-        return out
+        """The weights vLLM computes with, by HF parameter name (``tied``: the tied head's too)."""
+        self.wake("weights")
+        return self.weights.state_dict(self.llm, tied)
 
     # ---- sampling --------------------------------------------------------------------------------
     def generate(self, prompts: list[str], n: int = 1, greedy: bool = False, max_new_tokens: int = 0) -> Rollouts:
         """``n`` completions per prompt, group-major, with the sampler's log-prob of each sampled token
         (vLLM ``processed_logprobs``: after temperature and top-p, as :class:`HFGenerateEngine`). vLLM
-        schedules the batch itself (``rollout.batch_size`` is not used)."""
+        schedules the batch itself (at most ``rollout.vllm.max_num_seqs`` sequences at once)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.discarded:
+            raise RuntimeError("the engine's weights were discarded (sleep level 2) and no full sync followed")
+        self.wake("weights", "kv_cache")
+        if self.stale_cache:
+            self.llm.reset_prefix_cache()  # cached keys/values came from older weights
+            self.stale_cache = False
         tok = self.tokenizer
         expanded = [p for p in prompts for _ in range(n)]
         enc = tok(expanded, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -162,6 +203,9 @@ class VLLMEngine(RolloutEngine):
         llm = getattr(self, "llm", None)
         if llm is not None:
             self.llm = None
+            if self.executor == "external_launcher":
+                _release_groups(llm)
+                return self._remove_dir()
             core = getattr(llm.llm_engine, "engine_core", None)  # the in-process engine core and its worker
             if core is not None:
                 core.shutdown()
@@ -170,93 +214,98 @@ class VLLMEngine(RolloutEngine):
         self._remove_dir()
 
 
-def _write_model_dir(model, tokenizer, path: Path) -> None:
-    """The shadow's weights (safetensors), config and tokenizer files, as vLLM loads a model folder;
-    any leftover ``quantization_config`` (a de-quantized GGUF) removed, which vLLM would obey."""
-    model.save_pretrained(path)
+def _release_groups(llm) -> None:
+    """Close an ``external_launcher`` engine without ending the trainer's torch.distributed: vLLM's teardown
+    (``shutdown``, or its finalizer) destroys the default process group, which there is the trainer's own
+    (seen on the CPU build). vLLM's own groups (its tensor/pipeline-parallel groups and its world group)
+    are destroyed here; the engine is kept until the process exits, when the default group is gone."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    world = getattr(parallel_state, "_WORLD", None)
+    if world is not None:
+        world.destroy()
+        parallel_state._WORLD = None
+    _KEPT.append(llm)
+
+
+def _write_model_dir(model, tokenizer, path: Path, weights: bool) -> None:
+    """Config and tokenizer files as vLLM loads a model folder, and the weights (safetensors) where vLLM
+    loads them from there (``weights``; else it starts from dummy weights that the first sync fills);
+    any leftover ``quantization_config`` (a de-quantized GGUF) removed, which vLLM would obey. Written by
+    this rank for its own engine: HF's ``save_pretrained`` writes on rank 0 only under torch.distributed."""
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if weights:  # a tied head is the embedding's parameter: listed (and written) once
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
     tokenizer.save_pretrained(path)
-    config = json.loads((path / "config.json").read_text())
-    if config.pop("quantization_config", None) is not None:
-        (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _start_llm(path: Path, model):
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _total_memory(device: torch.device) -> int:
+    if not _is_cuda(device):
+        return 0
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def _device_index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0
+
+
+def llm_kwargs(cfg: RolloutConfig, model, cuda: bool, rank: int, distributed: bool, load_format: str,
+               total_memory: int, trainer_seed: int) -> dict:
+    """vLLM's ``LLM(...)`` arguments for this rank (see the module docstring)."""
+    v, mc = cfg.vllm, model.config
+    dtype = next(model.parameters()).dtype
+    max_len = min(v.max_model_len or MAX_MODEL_LEN, getattr(mc, "max_position_embeddings", MAX_MODEL_LEN))
+    seqs = v.max_num_seqs or cfg.batch_size
+    heads = mc.num_attention_heads
+    kv_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    kv = int(v.kv_cache_gb * 2**30) or (0 if cuda else (int(kv_gib) << 30 if kv_gib else CPU_KV_CACHE_BYTES))
+    terms = engine_bytes(params=sum(p.numel() for p in model.parameters()), layers=mc.num_hidden_layers,
+                         kv_heads=getattr(mc, "num_key_value_heads", None) or heads,
+                         head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // heads, vocab=mc.vocab_size,
+                         hidden=mc.hidden_size, inter=mc.intermediate_size, dtype_bytes=DTYPE_BYTES[dtype],
+                         max_num_seqs=seqs, max_model_len=max_len, kv_cache_bytes=kv, cuda_graphs=cuda and v.cuda_graphs)
+    inplace = weight_path(v, cuda) == "inplace"
+    kwargs = dict(dtype=str(dtype).removeprefix("torch."), seed=engine_seed(v, rank, trainer_seed),
+                  distributed_executor_backend=executor(v, cuda, distributed), tensor_parallel_size=1,
+                  logprobs_mode="processed_logprobs", max_model_len=max_len, max_num_seqs=seqs,
+                  kv_cache_memory_bytes=terms["kv"], generation_config="vllm", load_format=load_format,
+                  enforce_eager=not (inplace and v.cuda_graphs and cuda))
+    if cuda:
+        kwargs.update(gpu_memory_utilization=v.gpu_memory_utilization or utilization(sum(terms.values()), total_memory),
+                      enable_sleep_mode=v.sleep > 0, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    return kwargs
+
+
+def start_llm(path: Path, cfg: RolloutConfig, model, device: torch.device, rank: int, world: int, distributed: bool,
+              load_format: str = "auto", total_memory: int = 0, cuda: Optional[bool] = None):
+    """vLLM's engine for this rank, in this process. ``external_launcher`` reads the rank from the
+    environment (RANK, LOCAL_RANK = the trainer's device index, WORLD_SIZE; TRL sets the same)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in process: tensors pass by reference
     from vllm import LLM
 
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    max_len = min(MAX_MODEL_LEN, getattr(model.config, "max_position_embeddings", MAX_MODEL_LEN))
-    kv_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-    kv_bytes = int(kv_gib) << 30 if kv_gib else KV_CACHE_BYTES
+    cuda = _is_cuda(device) if cuda is None else cuda
+    kwargs = llm_kwargs(cfg, model, cuda, rank, distributed, load_format, total_memory, torch.initial_seed())
+    if kwargs["distributed_executor_backend"] == "external_launcher":
+        local = _device_index(device) if device.type == "cuda" else os.environ.get("LOCAL_RANK", rank)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
     # vLLM drops torch to one thread "for serving" and stubs out torch.set_num_threads for the thread
-    # binding of its worker processes, which the in-process (uni) executor never does: in the
-    # trainer's process both are undone, and the trainer keeps its threads
+    # binding of its worker processes, which the in-process executors never do: in the trainer's
+    # process both are undone, and the trainer keeps its threads
     threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     try:
-        return LLM(model=str(path), tokenizer=str(path), dtype=dtype, enforce_eager=True, seed=0,
-                   distributed_executor_backend="uni", logprobs_mode="processed_logprobs",
-                   max_model_len=max_len, kv_cache_memory_bytes=kv_bytes, generation_config="vllm")
+        return LLM(model=str(path), tokenizer=str(path), **kwargs)
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
-
-
-# ---- run inside the vLLM worker (collective_rpc passes the worker first) ----------------------------
-def _layout(worker) -> tuple[dict[str, tuple[str, ...]], str]:
-    """HF tensor name -> the HF names of every tensor of its vLLM layer, reloaded together (a layer is
-    re-processed once all of its tensors have arrived: q/k/v, gate/up, a weight with its bias); and
-    the tied LM head's module name ("" if none)."""
-    model = worker.model_runner.get_model()
-    packed = getattr(model, "packed_modules_mapping", {})
-    groups = {}
-    for name, module in model.named_modules():
-        prefix, _, leaf = name.rpartition(".")
-        parts = [f"{prefix}.{part}" for part in packed[leaf]] if leaf in packed else [name]
-        group = tuple(f"{part}.{p}" for p, _ in module.named_parameters(recurse=False) for part in parts)
-        groups.update({n: group for n in group})
-    tied = ""
-    if getattr(model.config, "tie_word_embeddings", False):
-        tied = next((n for n, m in model.named_modules() if type(m).__name__ == "ParallelLMHead"), "")
-    return groups, tied
-
-
-def _repack_head(worker, head: str) -> None:
-    """Rebuild the tied head's packed copy from the (reloaded) embedding it shares its weight with."""
-    layer = worker.model_runner.get_model().get_submodule(head)
-    layer.quant_method.process_weights_after_loading(layer)
-
-
-@torch.no_grad()
-def _read_weights(worker, vocab: int) -> dict[str, torch.Tensor]:
-    """Every weight as the kernels use it: a linear (or LM head) by its packed kernel applied to the
-    identity without bias, x = I → y = I Wᵀ = Wᵀ (exact: each output sums one product w·1 and zeros),
-    split into the HF tensors of a fused layer; an embedding's first ``vocab`` rows (vLLM pads the
-    vocabulary); the rest (norms, biases) as stored."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    model = worker.model_runner.get_model()
-    packed = getattr(model, "packed_modules_mapping", {})
-    out = {}
-    for name, module in model.named_modules():
-        prefix, _, leaf = name.rpartition(".")
-        if isinstance(module, LinearBase):
-            width = getattr(module, "input_size_per_partition", module.input_size)
-            eye = torch.eye(width, dtype=worker.model_config.dtype)
-            weight = module.quant_method.apply(module, eye).t()
-            if leaf in packed:
-                for suffix, t in (("weight", weight), ("bias", getattr(module, "bias", None))):
-                    if t is not None:
-                        parts = t.split(list(module.output_sizes), dim=0)
-                        out.update({f"{prefix}.{p}.{suffix}": w.contiguous()
-                                    for p, w in zip(packed[leaf], parts, strict=True)})
-            else:
-                out[name + ".weight"] = weight.contiguous()
-        elif isinstance(module, ParallelLMHead):
-            eye = torch.eye(module.embedding_dim, dtype=worker.model_config.dtype)
-            out[name + ".weight"] = module.quant_method.apply(module, eye).t()[:vocab].contiguous()
-        elif isinstance(module, VocabParallelEmbedding):
-            out[name + ".weight"] = module.weight[:vocab].clone()
-    for name, p in model.named_parameters():  # the rest, a tied weight under its first name
-        out.setdefault(name, p.detach().clone())
-    return out
