@@ -7,8 +7,8 @@ today's defaults) on seeds that no learning-rate selection used. A run of the ro
 when its method is one of the sweep's, its seed one of the sweep's grid, and its config agrees with
 the sweep's config for that method on every key that defines an experiment (``analysis.load``; seeds,
 paths and bookkeeping aside; step control's keys other than
-``enabled`` only for a run that ran step control; a key the run
-lacks is a disagreement). The same match, on the root's runs with seeds below the study's, gives the
+``enabled`` only for a run that ran step control; ``rollout.vllm.*`` only where the study samples
+with vLLM; a key the run lacks is a disagreement). The same match, on the root's runs with seeds below the study's, gives the
 cells the coverage study fits its model to (``analysis/coverage.py``): the study's data never chose
 its own interval.
 
@@ -76,8 +76,10 @@ def disagreements(run_config: dict, study: dict, ran_step_control: bool) -> list
     """The experiment-defining keys on which a run's flattened config differs from the study's (module
     docstring)."""
     idle = not ran_step_control  # then step control's settings change nothing the run computes, but whether it is on
+    engine = f"rollout.{study.get('rollout.engine')}."  # only the engine that samples has settings that count
     keys = [k for k in study if defines_experiment(k)
-            and not (idle and k.startswith("step_control.") and k != "step_control.enabled")]
+            and not (idle and k.startswith("step_control.") and k != "step_control.enabled")
+            and not (k.startswith("rollout.vllm.") and not k.startswith(engine))]
     return [k for k in keys if k not in run_config or run_config[k] != study[k]]
 
 

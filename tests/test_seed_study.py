@@ -134,3 +134,16 @@ def test_the_committed_cpu_runs_below_the_study_s_seeds_are_its_dense_and_logra_
     members = seeds.membership(load_runs(REPO / "results/cpu"))
     matched = sorted(members[members["matches"] & ~members["fresh"]]["run"])
     assert [re.sub(r"-s\d-.*", "", r) for r in matched] == ["runs/dense-arith"] * 3 + ["runs/logra-floor-arith"] * 3
+
+
+def test_only_the_sampling_engine_s_settings_decide_membership():
+    """A run that predates rollout.vllm.* (or set it otherwise) still matches a study that samples with the
+    HF engine; with the study sampling through vLLM those keys count, a missing one included."""
+    study = seeds.study_configs()[0]["logra"]
+    assert study["rollout.engine"] != "vllm"
+    run = {k: v for k, v in study.items() if not k.startswith("rollout.vllm.")}
+    assert seeds.disagreements(run, study, True) == []
+    assert seeds.disagreements(dict(run, **{"logra.lr": 1.0}), study, True) == ["logra.lr"]
+    on_vllm = dict(study, **{"rollout.engine": "vllm"})
+    missing = seeds.disagreements(dict(run, **{"rollout.engine": "vllm"}), on_vllm, True)
+    assert missing and all(k.startswith("rollout.vllm.") for k in missing)
