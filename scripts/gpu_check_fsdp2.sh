@@ -43,25 +43,7 @@ PY=${PYTHON:-python3}
 { nvidia-smi || true; $PY -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
 
 # a random-init model of the qwen2.5-0.5b preset's shape, bf16, with the SmolLM2 tokenizer
-$PY - "$OUT/model" "$CACHE/tokenizer" <<'EOF'
-import sys
-import torch
-import transformers
-from experiments.memory.planner import load_model_config
-
-out, tok_dir = sys.argv[1], sys.argv[2]
-tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
-_, cfg = load_model_config("qwen2.5-0.5b")
-cfg = {k: v for k, v in cfg.items() if k not in ("source", "model_type")}
-cfg.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-           pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
-torch.manual_seed(0)
-model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg)).to(torch.bfloat16)
-model.generation_config.eos_token_id = tok.eos_token_id
-model.save_pretrained(out)
-tok.save_pretrained(out)
-print("model", sum(p.numel() for p in model.parameters()) / 1e6, "M parameters ->", out)
-EOF
+$PY scripts/check_model.py "$OUT/model" "$CACHE/tokenizer"
 
 # 2 steps of logra under fsdp2 on one rank (nccl): step control, chunked head, hf engine copy, DCP checkpoint.
 # Random weights earn no reward, so zero-advantage rows are kept: every phase runs (the update is ~0).

@@ -21,24 +21,7 @@ PY=${PYTHON:-python3}
     > "$OUT/env.txt" 2>&1 || { echo "no vLLM here: $(tail -1 "$OUT/env.txt")"; exit 3; }
 
 # a random-init model of the qwen2.5-0.5b preset's shape, bf16, with the SmolLM2 tokenizer
-$PY - "$OUT/model" "$CACHE/tokenizer" <<'PYEOF'
-import sys
-import torch
-import transformers
-from experiments.memory.planner import load_model_config
-
-out, tok_dir = sys.argv[1], sys.argv[2]
-tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
-_, cfg = load_model_config("qwen2.5-0.5b")
-cfg = {k: v for k, v in cfg.items() if k not in ("source", "model_type")}
-cfg.update(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-           pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
-torch.manual_seed(0)
-model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg)).to(torch.bfloat16)
-model.generation_config.eos_token_id = tok.eos_token_id
-model.save_pretrained(out)
-tok.save_pretrained(out)
-PYEOF
+$PY scripts/check_model.py "$OUT/model" "$CACHE/tokenizer"
 
 rc=0
 timeout "${RUN_TIMEOUT:-420}" $PY -m torch.distributed.run --standalone --nproc_per_node=1 -m experiments.train \
