@@ -4,7 +4,8 @@ Prints the predicted per-GPU bytes by category, where the peak is (and the other
 every term alive there with its assumption, and the verdict (experiments/memory/planner.py).
 ``methods=dense,logra`` plans several methods side by side, each entry optionally with its own keys after
 ``:`` (``methods="dense,dense:precision=bf16,logra:master=stochastic embeddings=true"``); ``--list`` shows
-the presets.
+the presets. ``vllm.<key>=`` is the colocated engine's ``rollout.vllm.<key>`` (the paper profile's:
+``vllm.sleep=1 vllm.kv_cache_gb=12 vllm.max_num_seqs=64 vllm.max_model_len=1536``), as the dry run passes it.
 
 Example:
     python -m experiments.plan model=gemma-2-27b methods=dense,logra gpus=8 gpu_mem_gb=80 micro_batch=4 \\
@@ -17,12 +18,13 @@ Precision (docs/precision.md): ``precision=`` is the baselines' AdamW (mixed: fp
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from experiments.common.cli import fail, parse, parse_methods
 from experiments.common.config import ConfigError
 from experiments.memory.planner import plan, presets
+from experiments.rl.vllm_config import VLLMConfig
 
 
 @dataclass
@@ -55,6 +57,7 @@ class PlanArgs:
     step_control: Optional[bool] = None  # plan the KL-prediction phase; default: the method's (on for logra)
     probe_seqs: Optional[int] = None  # sequences the KL probe reads per GPU; default: a quarter of the rows, at least 12
     reference_model: Optional[bool] = None  # a frozen reference model for a KL penalty (train.kl_coef > 0); default false
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # the colocated vLLM engine as built: rollout.vllm.* (vllm.sleep=1 vllm.kv_cache_gb=12 ...); defaults the engine's (max_num_seqs=0: the rows per GPU)
     out: str = ""  # also write one CSV row per entry here (GiB per GPU by category, total, peak, verdict); "" = print only
 
 
@@ -91,6 +94,7 @@ def main(argv=None) -> int:
     try:
         for s, a in entries:
             kwargs = {k: v for k, v in vars(a).items() if v is not None and k not in ("model", "methods", "out")}
+            kwargs["vllm"] = asdict(a.vllm)  # rollout.vllm.* as a dict, as the dry run passes it
             p = plan(args.model, s.method, **kwargs)
             p.method = s.label
             plans.append(p)
