@@ -78,9 +78,21 @@ def memory(repo: Path) -> Row:
 PLANNER_CSV = "planner_bf16/gemma-2-27b.csv"  # one row per planned method (experiments.plan out=...)
 PLANNER_COLUMNS = {"method": "method", "total_gib": "total", "fits": "fits", "capacity_gb": "capacity",
                    "weights_grads_optimizer_gib": "weights_grads_optimizer", "peak_phase": "peak_phase",
-                   "engine_fits": "engine_fits"}
+                   "engine_fits": "engine_fits", "engine_needs_gib": "engine_needs"}
 FSDP2_MEMORY = "fsdp2_memory/memory.csv"  # per-phase planned / measured on 2 CPU ranks (experiments.memory.fsdp2_memory)
-PLANNER_ROWS = {"ref": "dense", "lg": "logra:master=fp32", "lg_lean": "logra:master=stochastic embeddings=true"}  # role -> method
+PLANNER_ROWS = {"ref": "dense", "lg": "logra:master=stochastic", "lg_lean": "logra:master=stochastic embeddings=true",
+                "lg_fp32": "logra:master=fp32"}  # role -> method (lg: the paper profile's logra.master)
+
+
+def planned_engine(text: str, model: str, method: str) -> dict:
+    """The engine as built in one plan of a planner text file: its share, tensor_parallel_size, sleep level
+    and whether it keeps a shadow copy (a term of its ``rollout engine as built`` line)."""
+    block = re.search(rf"^{re.escape(f'{model} / {method}: ')}.*?(?=\n\n|\Z)", text, re.S | re.M).group(0)
+    line = re.search(r"rollout engine as built: .*", block).group(0)
+    return {"share": float(re.search(r"its share of ([\d.]+)", line).group(1)),
+            "tp": re.search(r"tensor_parallel_size=(\d+)", line).group(1),
+            "sleep": re.search(r"rollout\.vllm sleep=(\d)", block).group(1),
+            "shadow": "a shadow copy" if "shadow copy" in line else "no shadow copy"}
 
 
 def planner(repo: Path) -> Row:
@@ -98,15 +110,17 @@ def planner(repo: Path) -> Row:
     ratio = r["lg_lean"][c["weights_grads_optimizer_gib"]] / r["ref"][c["weights_grads_optimizer_gib"]]
     measured = pd.read_csv(repo / "results" / FSDP2_MEMORY)
     worst = float((measured["ratio"] - 1).abs().max())
-    engine = "fits" if all(str(x) == "True" for x in t[c["engine_fits"]]) else "does not fit"
+    eng = planned_engine(text, path.stem, PLANNER_ROWS["lg"])
+    gib = lambda row: f"{row[c['total_gib']]:.1f} GiB at its {row[c['peak_phase']]} phase, {fits(row)}"  # noqa: E731
     return Row(
         "a 27B model on one 8-GPU node where dense Adam runs out of memory",
-        f"planned per GPU and per phase ({gpus} × {r['ref'][c['capacity_gb']]:.0f} GB, {sharding.upper()}, bf16, colocated "
-        f"vLLM's reserve): {model} dense AdamW (mixed) {r['ref'][c['total_gib']]:.1f} GiB at its {r['ref'][c['peak_phase']]} "
-        f"phase, {fits(r['ref'])}; LoGRA {r['lg'][c['total_gib']]:.1f} GiB at its {r['lg'][c['peak_phase']]} phase (fp32 "
-        f"masters, every phase {fits(r['lg'])}), {r['lg_lean'][c['total_gib']]:.1f} GiB (stochastic rounding, embeddings "
-        f"sketched); weights + grads + optimizer {ratio:.2f}× dense's at each one's peak; the rollout engine as built "
-        f"(tensor_parallel_size=1, a shadow copy) {engine} its reserve",
+        f"planned per GPU and per phase ({gpus} × {r['ref'][c['capacity_gb']]:.0f} GB, {sharding.upper()}, bf16, the paper "
+        f"profile's colocated vLLM engine): {model} dense AdamW (mixed) {gib(r['ref'])}; LoGRA (stochastic rounding, the "
+        f"paper profile's) {gib(r['lg'])}, {r['lg_lean'][c['total_gib']]:.1f} GiB with embeddings sketched, "
+        f"{r['lg_fp32'][c['total_gib']]:.1f} GiB with fp32 masters ({fits(r['lg_fp32'])}); weights + grads + optimizer "
+        f"{ratio:.2f}× dense's at each one's peak; the rollout engine as built (tensor_parallel_size={eng['tp']}, "
+        f"{eng['shadow']}, sleep level {eng['sleep']}) {r['lg'][c['engine_needs_gib']]:.1f} GiB in its {eng['share']:.1f} "
+        f"GiB share: " + ("fits" if str(r["lg"][c["engine_fits"]]) == "True" else "does not fit"),
         f"a prediction from shapes, not a run; its phases checked on 2 CPU ranks (fsdp2, fp32) within "
         f"{100 * worst:.0f} % of the measured peaks; one CUDA check found an earlier planner {under:.1f}× under a 0.5B "
         "model's measured peak (dense)",
