@@ -109,3 +109,22 @@ def test_trainer_writes_the_profile(tmp_path, method):
     assert [l["step"] for l in lines[1:]] == [r["step"] for r in rows] == [1, 2]  # the metrics step numbers
     params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     assert lines[0]["step"] == 0 and lines[0]["mem/init/peak_bytes"] >= params  # the load, before step 1
+
+
+def test_the_live_snapshot_is_taken_again_when_a_finalizer_frees_during_the_copy():
+    """A storage's finalizer can run inside ``list(live.items())`` (a collection triggered by the copy's
+    allocation) and pop from ``live``: seen as "dictionary changed size during iteration" in a quick run's
+    logra profile. The snapshot retries instead of failing the run."""
+    class FreedDuringCopy(dict):
+        copies = 0
+
+        def items(self):
+            FreedDuringCopy.copies += 1
+            if FreedDuringCopy.copies == 1:
+                self.pop(2)  # what the finalizer does
+                raise RuntimeError("dictionary changed size during iteration")
+            return super().items()
+
+    prof = MemoryProfiler.__new__(MemoryProfiler)
+    prof.live = FreedDuringCopy({1: 8, 2: 16})
+    assert prof._snapshot() == [(1, 8)] and FreedDuringCopy.copies == 2

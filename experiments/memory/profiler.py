@@ -93,12 +93,21 @@ class MemoryProfiler(TorchDispatchMode):
         weakref.finalize(st, self._free, key)
         if self._phase is not None:
             if self.trace and self.current > self.phase_peaks.get(self._phase, 0):
-                self.phase_tensors[self._phase] = [(*self.meta.get(k, ("?", (), "?")), n) for k, n in list(self.live.items())]
+                self.phase_tensors[self._phase] = [(*self.meta.get(k, ("?", (), "?")), n) for k, n in self._snapshot()]
             self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0), self.current)
         if self.current > self.peak:
             self.peak = self.current
             self.peak_phase = self._phase
             self.peak_split = self._split()
+
+    def _snapshot(self) -> list[tuple[int, int]]:
+        """The live storages as a list. A storage's finalizer may run during the copy itself (a collection
+        the copy's allocation triggers) and pop from ``live``; then the copy is taken again."""
+        while True:
+            try:
+                return list(self.live.items())
+            except RuntimeError:  # dictionary changed size during iteration
+                continue
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
@@ -117,7 +126,7 @@ class MemoryProfiler(TorchDispatchMode):
                 "optimizer": self._ids(self.optimizer_state())}
         split = {k: 0 for k in ("params", "grads", "optimizer", "activations")}
         listed = []
-        for key, n in list(self.live.items()):  # a snapshot: a finalizer may free a storage meanwhile
+        for key, n in self._snapshot():
             name = next((c for c, ids in cats.items() if key in ids), "activations")
             split[name] += n
             if self.trace:
