@@ -6,8 +6,9 @@
 - ``time_runs`` — the training runs' own phase timers (``time/rollout_s``, ``time/fwd_bwd_s``,
   ``time/optimizer_s``, ``time/kl_predict_s``, ``time/sync_s``, ``time/step_s``): per run the median
   over its steps, mean over seeds per task × method variant. No second pass over the work, but the
-  methods ran one after another on their own samples (a policy's answer lengths set its rollout
-  time), so it is a first look, not ``time_step``'s comparison.
+  methods ran as separate runs on their own samples (a policy's answer lengths set its rollout time;
+  the quick profile runs two at once, sharing the machine), so it is a first look, not ``time_step``'s
+  comparison.
 
 A phase a method does not run is 0 s and its × dense "—" where dense does not run it either.
 """
@@ -114,7 +115,7 @@ def runs_table(runs: pd.DataFrame) -> Table:
     if "kl_predict" in data:
         shown["kl_predict / step"] = [f"{100 * k / t:.1f} %" for k, t in zip(data["kl_predict"], data["step"])]
     notes = ["the training runs' own phase timers: median over a run's steps, mean over seeds; step = rollout + "
-             "reward + the update (fwd_bwd, optimizer, kl_predict, sync); methods ran one after another on their own "
-             "samples (answer lengths set the rollout time): a first look — python -m experiments.time_table "
+             "reward + the update (fwd_bwd, optimizer, kl_predict, sync); each method a separate run on its own "
+             "samples (answer lengths set the rollout time), runs sharing the machine as the launcher ran them: a first look — python -m experiments.time_table "
              "(tables/time_step) times them interleaved on a fixed batch"]
     return Table("time_runs", "Time of a training step by phase, from the runs", data, shown, notes)
