@@ -2,6 +2,7 @@
 executor with real tiny-llama runs, the slurm submission script, requeue, the profiles' plans."""
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -307,12 +308,16 @@ def test_paper_profile_dry_run_lists_its_jobs(capsys, monkeypatch, tmp_path):
     assert "torchrun --standalone --nproc_per_node=8 -m experiments.train" in out
     assert "#SBATCH --gpus-per-node=8" in out
     assert out.count("planned ") + out.count("memory plan unavailable") + out.count("memory plan failed") == n
-    # fsdp2 with vLLM engines, step control and the chunked head; what the planner's sharding leaves out is noted
+    # fsdp2 with vLLM engines, step control and the chunked head, planned phase by phase with the engine as built
     assert "-m experiments.train dist.strategy=fsdp2 " in out and "train.logprob_chunk=256" in out
-    notes = [line for line in out.splitlines() if "; fsdp2: " in line]
-    assert len(notes) == out.count("planned ") == n
-    assert sum("step control gathers the weights" in line for line in notes) == 3 * 2 * 3  # logra grid jobs
-    assert all(line.endswith(("-> fits", "-> DOES NOT FIT")) for line in notes)
+    plans = dict(re.findall(r"\] (\S+)\n[^\n]*\n\s+(planned peak [^\n]*)", out))
+    assert len(plans) == out.count("planned ") == n
+    assert all("per phase (GiB): init " in line and "; rollout engine as built " in line for line in plans.values())
+    assert sum(" kl_predict " in line for line in plans.values()) == 3 * 2 * 3  # logra's grid jobs: step control on
+    gemma = {run.rsplit("/", 1)[1]: line for run, line in plans.items() if "gemma-2-27b" in run}
+    assert len(gemma) == 2 * 2 * 3 + 2 * 3
+    assert all("DOES NOT FIT" in line.split(";")[0] for run, line in gemma.items() if run.startswith("dense-"))
+    assert all(", fits;" in line for run, line in gemma.items() if run.startswith("logra-"))  # the paper's headline
     assert not any(tmp_path.iterdir())  # nothing written
 
 

@@ -6,7 +6,8 @@ The layer table, lowest first (a module belongs to the entry with the longest ma
  0    logra_core                                  the method; imports nothing from the harness
  1    baselines                                   the methods behind one interface; nothing from experiments
  2    experiments.common                          config machinery (merge, CLI, flatten, hash), git sha, atomic writes
- 3    experiments.memory.{planner,profiler}       the memory model the loop uses (OOM estimate, per-phase profile)
+ 3    experiments.memory.{planner,phases,         the memory model the loop uses (OOM estimate, per-phase plan and
+      profiler}, experiments.rl.vllm_config     profile; the vLLM engine's settings and bytes, which it plans)
  4    experiments.rl                              the loop's components: models, tasks, rewards, rollout engines,
                                                   GRPO math, guard, distributed strategies, checkpoints, metrics
  5    experiments.config                          the run config: nests the components' config dataclasses
@@ -30,6 +31,8 @@ LAYERS = {
     "baselines": 1,
     "experiments.common": 2,
     "experiments.memory.planner": 3,
+    "experiments.memory.phases": 3,
+    "experiments.rl.vllm_config": 3,
     "experiments.memory.profiler": 3,
     "experiments.memory.presets": 3,
     "experiments.rl": 4,

@@ -3,6 +3,7 @@ every engine start passes gpu_memory_utilization, the rank's device and the rank
 applies payloads to the engine's own fused parameters (same storage, no shadow copy); sleep level 1 keeps
 the weights (a payload wakes them first), level 2 drops them and makes the sender send every tensor."""
 
+import os
 import sys
 import types
 
@@ -21,6 +22,20 @@ from logra_core.optimizer import LoGRA
 pytestmark = pytest.mark.unit
 
 GIB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def rank_environment():
+    """``start_llm`` sets RANK / WORLD_SIZE / LOCAL_RANK for vLLM's external_launcher (under torchrun they are
+    already the launcher's). Outside torchrun they would outlive the test and make a later test's trainer
+    initialize torch.distributed (seen: MASTER_ADDR expected), so they are restored after each test."""
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def tiny(dtype=torch.bfloat16):

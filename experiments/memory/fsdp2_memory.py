@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from baselines import METHODS
 from experiments.common import provenance
 from experiments.common.cli import fail, parse
 
@@ -38,7 +39,7 @@ class FSDP2MemoryArgs:
     prompts: int = 2  # prompts per step (one prompt group per rank)
     group: int = 4  # samples per prompt
     new_tokens: int = 24  # completion tokens
-    rank: int = 64  # LoGRA sketch rank
+    rank: int = 64  # the method's rank where it has one (LoGRA sketch rank)
     out: str = "results/fsdp2_memory"  # the folder written
 
 
@@ -49,8 +50,9 @@ def run_method(a: FSDP2MemoryArgs, method: str, root: Path) -> Path:
                  f"train.micro_batch_size={a.group}", "train.skip_zero_advantage=false", "train.logprob_chunk=64",
                  f"rollout.max_new_tokens={a.new_tokens}", "eval.every=0", "checkpoint.every=0", "log.memory_profile=true",
                  "log.progress=false", "threads=1", f"out_dir={run}"]
-    if method == "logra":
-        overrides += [f"logra.rank={a.rank}"]
+    rank_key = METHODS[method].rank_key  # the method's rank, where it has one (logra's sketch rank)
+    if rank_key:
+        overrides += [f"{method}.{rank_key}={a.rank}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "experiments.train",
            *overrides]
