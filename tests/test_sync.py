@@ -152,10 +152,13 @@ def run_steps(tmp_path, method, engine, steps, extra=()):
     return records, state, trainer_state
 
 
+# Every master mode in the loop through the in-process engine; the engine in its own process (the same
+# receiver behind a pipe) once per dtype, bf16 with the paper profile's stochastic rounding (each master mode's
+# merge is also checked without the loop, shard against whole: tests/test_tp_sync.py).
 @pytest.mark.parametrize("engine,dtype,master", [
     ("hf", "float32", "fp32"), ("hf_process", "float32", "fp32"),
     *[("hf", "bfloat16", master) for master in ("fp32", "kahan", "stochastic", "none")],
-    *[("hf_process", "bfloat16", master) for master in ("fp32", "kahan", "stochastic", "none")]])
+    ("hf_process", "bfloat16", "stochastic")])
 @pytest.mark.integration
 def test_engine_equals_trainer_after_twenty_logra_steps(tmp_path, engine, dtype, master):
     records, state, trainer_state = run_steps(tmp_path, "logra", engine, 20, [f"model.dtype={dtype}", f"logra.master={master}"])
