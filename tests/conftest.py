@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# 2 threads in one process; under pytest-xdist (./run_tests.sh) the cores shared among the workers
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 REPO = Path(__file__).resolve().parents[1]
 
