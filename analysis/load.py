@@ -231,7 +231,7 @@ def label_runs(runs: pd.DataFrame) -> pd.DataFrame:
         for run, row in group.iterrows():
             model = f" ({row['model.name']})" if several_models else ""
             task_label[run] = _label(str(task), row, keys, names) + model
-    configs = configs.assign(task_label=configs.index.map(task_label))
+    configs = configs.copy().assign(task_label=configs.index.map(task_label))  # copy: one block, not many
     methods = set(configs["method"].astype(str))
     for method, group in configs.groupby("method"):
         others = tuple(f"{m}." for m in methods - {method})
@@ -244,7 +244,7 @@ def label_runs(runs: pd.DataFrame) -> pd.DataFrame:
         variant.update({run: _label(str(method), row, keys, names) for run, row in group.iterrows()})
         fixed = [k for k in keys if not is_rate_key(k)]
         family.update({run: _label(str(method), row, fixed, names) for run, row in group.iterrows()})
-    return runs.assign(task_label=runs["run"].map(task_label), variant=runs["run"].map(variant),
+    return runs.copy().assign(task_label=runs["run"].map(task_label), variant=runs["run"].map(variant),
                        family=runs["run"].map(family))
 
 
