@@ -42,7 +42,7 @@ LEVEL = 1 - ALPHA / len(LOOKS)  # Bonferroni: each look's interval at 1 − α/K
 MARGIN = intervals.MARGIN  # Δ ≥ −5 points counts as equal accuracy
 VERDICTS = {"equal": "equal within 5 points", "gap": "a gap beyond 5 points",
             "undecided": f"undecided at {LOOKS[-1]} seeds",
-            "continue": "undecided after {n} fresh seeds; the study continues"}
+            "continue": "undecided after {n} fresh {seeds}; the study continues"}
 RULE = (f"looks after {', '.join(map(str, LOOKS[:-1]))} and {LOOKS[-1]} fresh seeds (a seed counts when both its "
         f"{REFERENCE} and {METHOD} runs are done); at each look Δ = {METHOD} − {REFERENCE} in pass@1 points with the "
         f"crossed t-interval (analysis/crossed.py, the coverage study's choice) at level 1 − {ALPHA:g}/{len(LOOKS)} = "
@@ -180,7 +180,7 @@ def state(runs: pd.DataFrame, sweep: str = SWEEP) -> dict:
     if taken and taken[-1].decision != "continue":
         verdict = VERDICTS[taken[-1].decision]
     else:
-        verdict = VERDICTS["continue"].format(n=len(diffs))
+        verdict = VERDICTS["continue"].format(n=len(diffs), seeds="seed" if len(diffs) == 1 else "seeds")
     return {"members": members, "diffs": diffs, "excluded": excluded, "looks": taken, "verdict": verdict}
 
 
