@@ -12,8 +12,3 @@ simulation; ``readme.py`` (rows in ``readme_rows.py``, ``readme_runs.py``) write
 ``summary``, ``curves`` and ``traces`` are per-run-directory tools used by the earlier result folders.
 """
 
-import warnings
-
-# pandas warns when a frame built column by column is assigned to; the frames here are small (one row per
-# run or step), so the warning is noise on every analysis run.
-warnings.filterwarnings("ignore", message="DataFrame is highly fragmented")
