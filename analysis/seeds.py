@@ -170,18 +170,29 @@ def looks(diffs: dict[int, np.ndarray]) -> list[Look]:
 
 
 def state(runs: pd.DataFrame, sweep: str = SWEEP) -> dict:
-    """The study as it stands: ``members``, the counted seeds' ``diffs``, ``excluded`` (why not counted),
-    the ``looks`` taken, and the ``verdict`` line (VERDICTS)."""
+    """The study as it stands: ``members``, the counted seeds' ``diffs``, their ``finals`` (seed →
+    (REFERENCE's, METHOD's final pass@1)), ``excluded`` (why not counted), the ``looks`` taken, and the
+    ``verdict`` line (VERDICTS)."""
     members = membership(runs, sweep)
     fresh = members[members["fresh"]] if not members.empty else members
     diffs, excluded = paired_outcomes(runs, fresh) if not fresh.empty else ({}, [])
     excluded += [f"{r.run}: config differs from the study's in {r.differs}" for r in fresh.itertuples() if not r.matches]
     taken = looks(diffs)
+    finals = {}
+    if diffs:
+        from analysis.accuracy import per_run_accuracy
+
+        end = per_run_accuracy(runs)["end"]
+        ok = fresh[fresh["matches"] & fresh["done"] & fresh["seed"].isin(list(diffs))]
+        for seed, of_seed in ok.groupby("seed"):
+            by_method = dict(zip(of_seed["method"], of_seed["run"]))
+            finals[int(seed)] = (float(end[by_method[REFERENCE]]), float(end[by_method[METHOD]]))
     if taken and taken[-1].decision != "continue":
         verdict = VERDICTS[taken[-1].decision]
     else:
         verdict = VERDICTS["continue"].format(n=len(diffs), seeds="seed" if len(diffs) == 1 else "seeds")
-    return {"members": members, "diffs": diffs, "excluded": excluded, "looks": taken, "verdict": verdict}
+    return {"members": members, "diffs": diffs, "finals": finals, "excluded": excluded, "looks": taken,
+            "verdict": verdict}
 
 
 def pp_interval(i: crossed.Interval) -> str:
@@ -208,6 +219,10 @@ def table(runs: pd.DataFrame, sweep: str = SWEEP) -> Table:
              f"{next((k for k in LOOKS if k > len(counted)), LOOKS[-1])} seeds" if data.empty
              or data["decision"].iloc[-1] == "continue" else
              f"seeds counted: {len(counted)}; decided at look {len(data)}: later seeds are not looked at"]
+    if counted:  # each seed's own numbers: what the looks are made of (no interval between looks)
+        notes.append(f"per counted seed, final pass@1 {REFERENCE} / {METHOD} and Δ (pp): " + "; ".join(
+            f"{s}: {st['finals'][s][0]:.3f} / {st['finals'][s][1]:.3f} ({fmt(100 * float(st['diffs'][s].mean()), 1, signed=True)})"
+            for s in counted))
     notes += [f"not counted: {w}" for w in st["excluded"]]
     return Table("seed_study", f"Seed study: {METHOD} − {REFERENCE} on fresh seeds, by the stopping rule", data, shown,
                  notes)

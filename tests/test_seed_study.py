@@ -107,10 +107,14 @@ def test_a_clear_gap_is_a_gap(tmp_path):
 
 def test_before_a_decision_the_study_continues_and_says_how_far_it_is(tmp_path):
     # per-seed gaps straddling −5 points: the 98.75 % interval over 6 seeds reaches past it
-    st = seeds.state(load_runs(make_root(tmp_path, [-0.10, 0.04, -0.08, 0.05, -0.09, 0.02])))
+    runs = load_runs(make_root(tmp_path, [-0.10, 0.04, -0.08, 0.05, -0.09, 0.02]))
+    st = seeds.state(runs)
     (look,) = st["looks"]
     assert look.decision == "continue" and look.delta.low < -0.05 < look.delta.high
     assert st["verdict"] == "undecided after 6 fresh seeds; the study continues"
+    assert st["finals"][101] == (0.75, pytest.approx(0.79)) and st["finals"][104] == (0.75, pytest.approx(0.66))
+    note = next(n for n in seeds.table(runs).notes if n.startswith("per counted seed"))
+    assert "100: 0.750 / 0.650 (-10.0); 101: 0.750 / 0.790 (+4.0);" in note and note.endswith("105: 0.750 / 0.770 (+2.0)")
 
 
 def test_runs_off_the_study_s_config_or_unfinished_do_not_count(tmp_path):
