@@ -96,8 +96,16 @@ def display_name(config: pd.Series | dict) -> str:
 
 
 def variant_names(runs: pd.DataFrame) -> dict[tuple[str, str], str]:
-    """(task_label, variant) -> its display name, from each variant's first run."""
+    """(task_label, variant) -> its display name, from each variant's first run. Variants of a task that
+    the name alone does not tell apart (the same method and settings at two learning rates) say their rate."""
     from analysis.load import per_run
 
     first = per_run(runs).drop_duplicates(["task_label", "variant"])
-    return {(r["task_label"], r["variant"]): display_name(r) for _, r in first.iterrows()}
+    named = {(r["task_label"], r["variant"]): display_name(r) for _, r in first.iterrows()}
+    seen = pd.Series(list(named.values())).groupby([task for task, _ in named]).value_counts() if named else None
+    for (task, variant), name in list(named.items()):
+        if seen[(task, name)] > 1:
+            r = first[(first["task_label"] == task) & (first["variant"] == variant)].iloc[0]
+            lr = r.get(f"{r['method']}.lr")
+            named[(task, variant)] = f"{name}, lr {lr:g}" if not _missing(lr) else f"{name} ({variant})"
+    return named

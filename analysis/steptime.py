@@ -4,8 +4,9 @@
   method on a fixed batch, methods interleaved in one process, every completion full length;
   the careful measurement (the cpu profile, results/time_table).
 - ``time_runs`` — the training runs' own phase timers (``time/rollout_s``, ``time/fwd_bwd_s``,
-  ``time/optimizer_s``, ``time/kl_predict_s``, ``time/sync_s``, ``time/step_s``): per run the median
-  over its steps, mean over seeds per task × method variant. No second pass over the work, but the
+  ``time/optimizer_s``, ``time/kl_predict_s``, ``time/kl_realized_s``, ``time/sync_s``, ``time/step_s``):
+  per run the median over its steps, mean over the seeds whose runs logged phase timers (runs from
+  before the timers are left out, not read as 0 s) per task × method variant. No second pass over the work, but the
   methods ran as separate runs on their own samples (a policy's answer lengths set its rollout time;
   the quick profile runs two at once, sharing the machine), so it is a first look, not ``time_step``'s
   comparison.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.names import variant_names
 from analysis.provenance import versions
 from analysis.render import GROUP, Absent, Table, dense_reference, fmt
 
@@ -27,7 +29,7 @@ TIME_RUNS_MD = "tables/time_runs.md"  # where python -m analysis writes runs_tab
 PHASES = ["rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync", "step"]
 RUN_PHASES = {"rollout": "time/rollout_s", "reward": "time/reward_s", "old_logprobs": "time/old_logprobs_s",
               "fwd_bwd": "time/fwd_bwd_s", "optimizer": "time/optimizer_s", "kl_predict": "time/kl_predict_s",
-              "sync": "time/sync_s", "step": "time/step_s"}  # the runs' keys (experiments/rl/metrics.py)
+              "kl_realized": "time/kl_realized_s", "sync": "time/sync_s", "step": "time/step_s"}  # the runs' keys (experiments/rl/metrics.py)
 
 
 def load_time_csv(root: str | Path) -> pd.DataFrame | None:
@@ -78,13 +80,19 @@ def step_table(time: pd.DataFrame | None) -> Table:
     return Table("time_step", "Time of one training step, by phase", data, shown, notes)
 
 
+def timed_runs(runs: pd.DataFrame) -> set[str]:
+    """The runs that logged phase timers (``time/fwd_bwd_s`` on some step)."""
+    return set(runs.loc[runs["time/fwd_bwd_s"].notna(), "run"]) if "time/fwd_bwd_s" in runs else set()
+
+
 def per_run_times(runs: pd.DataFrame) -> pd.DataFrame:
     """Per task × variant: each phase's median seconds over a run's steps, mean over seeds (a phase
-    the run did not time is 0), the seeds, and the steps per run."""
+    the run did not time is 0), the seeds, and the steps per run. Only runs that logged phase timers
+    (:func:`timed_runs`) count: one from before the timers has no phase to read, not phases of 0 s."""
     have = {p: k for p, k in RUN_PHASES.items() if k in runs}
     if "step" not in have or runs["time/step_s"].dropna().empty or "fwd_bwd" not in have:
         raise Absent("no run logged its phase times (time/step_s, time/fwd_bwd_s)")
-    steps = runs.dropna(subset=["time/step_s"])
+    steps = runs[runs["run"].isin(timed_runs(runs))].dropna(subset=["time/step_s"])
     per_run = steps.groupby("run")[[have[p] for p in have]].median().fillna(0.0)
     per_run.columns = list(have)
     per_run = per_run.join(steps.groupby("run")[GROUP].first()).join(steps.groupby("run").size().rename("steps"))
@@ -107,7 +115,10 @@ def runs_table(runs: pd.DataFrame) -> Table:
     train = lambda row: row.get("fwd_bwd", 0.0) + row.get("optimizer", 0.0)  # noqa: E731
     data["train_x_dense"] = [train(row) / train(dense[row["task_label"]]) if row["task_label"] in dense else float("nan")
                              for _, row in data.iterrows()]
-    shown = pd.DataFrame({"task": data["task_label"], "method": data["variant"], "steps": data["steps"]})
+    named = variant_names(runs)
+    shown = pd.DataFrame({"task": data["task_label"],
+                          "method": [named.get((t, v), v) for t, v in zip(data["task_label"], data["variant"])],
+                          "seeds": data["seeds"], "steps": data["steps"]})
     for p in phases:
         shown[f"{p} (s)"] = [fmt(v, 2) for v in data[p]]
     shown["step × dense"] = [fmt(v, 2) for v in data["x_dense"]]
@@ -115,7 +126,15 @@ def runs_table(runs: pd.DataFrame) -> Table:
     if "kl_predict" in data:
         shown["kl_predict / step"] = [f"{100 * k / t:.1f} %" for k, t in zip(data["kl_predict"], data["step"])]
     notes = ["the training runs' own phase timers: median over a run's steps, mean over seeds; step = rollout + "
-             "reward + the update (fwd_bwd, optimizer, kl_predict, sync); each method a separate run on its own "
+             "reward + the update (fwd_bwd, optimizer, kl_predict, kl_realized, sync); each method a separate run on its own "
              "samples (answer lengths set the rollout time), runs sharing the machine as the launcher ran them: a first look — python -m experiments.time_table "
              "(tables/time_step) times them interleaved on a fixed batch"]
+    timed = timed_runs(runs)
+    if untimed := set(runs["run"]) - timed:
+        notes.append(f"seeds: the runs with phase timers; {len(untimed)} run(s) from before the timers are left out")
+    measured = set(runs.loc[runs["kl/realized"].notna(), "run"]) if "kl/realized" in runs else set()
+    split = set(runs.loc[runs["time/kl_realized_s"].notna(), "run"]) if "time/kl_realized_s" in runs else set()
+    if (measured - split) & timed:
+        notes.append("runs that measured the realized KL (step_control.measure_realized: two more forwards of the batch) "
+                     "before time/kl_realized_s existed count those forwards in their optimizer phase")
     return Table("time_runs", "Time of a training step by phase, from the runs", data, shown, notes)

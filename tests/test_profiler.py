@@ -128,3 +128,27 @@ def test_the_live_snapshot_is_taken_again_when_a_finalizer_frees_during_the_copy
     prof = MemoryProfiler.__new__(MemoryProfiler)
     prof.live = FreedDuringCopy({1: 8, 2: 16})
     assert prof._snapshot() == [(1, 8)] and FreedDuringCopy.copies == 2
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_the_optimizer_phase_excludes_the_kl_phases_timed_inside_it(enabled, monkeypatch):
+    """time/optimizer_s is the update alone: kl_predict and kl_realized (measure_realized's forwards,
+    timed only, no memory phase of their own) are opened inside it and subtracted."""
+    from experiments.memory.profiler import StepProfiler
+
+    ticks = iter(range(100))
+    prof = StepProfiler(enabled, torch.nn.Linear(2, 2), lambda: [], torch.device("cpu"))
+    monkeypatch.setattr(prof, "_clock", lambda: float(next(ticks)))
+    with prof.step(1):
+        with prof.phase("optimizer"):  # clock 0 .. 11: kl_predict 2 .. 5, kl_realized 6 .. 8 and 9 .. 10
+            next(ticks)
+            with prof.phase("kl_predict"):
+                for _ in range(2):
+                    next(ticks)
+            with prof.phase("kl_realized"):
+                next(ticks)
+            with prof.phase("kl_realized"):
+                pass
+    rec = prof.record()
+    assert (rec["time/optimizer_s"], rec["time/kl_predict_s"], rec["time/kl_realized_s"]) == (5.0, 3.0, 3.0)
+    assert ("mem/kl_realized/peak_bytes" in rec) is False and ("mem/optimizer/peak_bytes" in rec) is enabled

@@ -276,12 +276,14 @@ class StepProfiler:
     Always, whether profiling memory or not, the phases in :data:`TIMED` are timed (wall clock; on
     CUDA with a device synchronisation at each edge, as ``experiments.time_table`` does): the runs'
     own phase timers, so a sweep shows a step's time by phase without a second pass
-    (``analysis.steptime``). ``optimizer`` excludes the ``kl_predict`` phase nested in it; the
-    rollout and sync phases are the trainer's own ``time/rollout_s`` and ``time/sync_s``.
+    (``analysis.steptime``). ``optimizer`` excludes the phases nested in it (:data:`NESTED`: the KL
+    prediction, and ``kl_realized``, step_control.measure_realized's forwards — a diagnostic, timed
+    only, its memory counted under ``optimizer``); the rollout and sync phases are the trainer's own ``time/rollout_s`` and ``time/sync_s``.
     ``record()`` gives the step's ``mem/*`` and ``time/<phase>_s`` keys; the ``mem/*`` ones are
     also appended to ``<run_dir>/memory_profile.jsonl``."""
 
-    TIMED = ("old_logprobs", "fwd_bwd", "optimizer", "kl_predict")
+    TIMED = ("old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "kl_realized")
+    NESTED = ("kl_predict", "kl_realized")  # opened inside ``optimizer``, whose time excludes them
 
     def __init__(self, enabled: bool, model, state: Callable[[], Iterable[torch.Tensor]], device, path=None,
                  resident: Callable[[], Iterable[torch.Tensor]] = lambda: ()):
@@ -332,7 +334,7 @@ class StepProfiler:
 
     @contextmanager
     def _memory_phase(self, name: str):
-        if self.prof is None:
+        if self.prof is None or name not in PHASES:  # a timed-only phase: its memory is the enclosing phase's
             yield
             return
         cuda = getattr(self.device, "type", "cpu") == "cuda"
@@ -350,7 +352,7 @@ class StepProfiler:
             self.write({"step": getattr(self, "index", 0), **out})
         seconds, self.seconds = self.seconds, {}
         if "optimizer" in seconds:
-            seconds["optimizer"] -= seconds.get("kl_predict", 0.0)
+            seconds["optimizer"] -= sum(seconds.get(name, 0.0) for name in self.NESTED)
         return {**out, **{f"time/{name}_s": value for name, value in seconds.items()}}
 
     def write(self, record: dict) -> None:

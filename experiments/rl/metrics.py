@@ -56,8 +56,9 @@ METRICS: dict[str, str] = {
     # the runs' own phase timers (experiments/memory/profiler.py StepProfiler, always on): a step's time by phase
     "time/old_logprobs_s": "the no-grad pass for pi_old (train.ppo_epochs > 1), seconds",
     "time/fwd_bwd_s": "forward + backward over every micro-batch (and the gradient reduction), seconds",
-    "time/optimizer_s": "the update (clipping, moments, applying it) without the KL prediction, seconds",
+    "time/optimizer_s": "the update (clipping, moments, applying it) without the KL prediction and the realized-KL measurement, seconds (runs before time/kl_realized_s existed: with the measurement)",
     "time/kl_predict_s": "step control's KL prediction (and its trial forwards), seconds",
+    "time/kl_realized_s": "step_control.measure_realized's two forwards of the trained batch and the exact KL (a diagnostic, not the method's cost), seconds",
     "sync/bytes": "tensor bytes sent to the rollout engine in the step (a full resync included)",
     "sync/full_bytes": "bytes a full-weight sync sends (every parameter once)",
     "sync/resyncs": "full resyncs in the step after a payload was refused (checksum mismatch, version gap)",

@@ -405,23 +405,25 @@ class GRPOTrainer:
         if scale > 0 and sc.predictor == "secant":  # the next step's trial scale (a skipped step keeps the last)
             self.kl_trial_scale = max(scale, sc.min_trial_scale)
         if sc.measure_realized:  # the whole trained batch, in micro-batches: the reference the probe estimates
-            batches = self.dist.even_probes([probe_inputs(rollouts.select(idx), self.device)
-                                             for idx in rows.split(self.cfg.train.micro_batch_size)] if len(rows) else [],
-                                            self.model)
-            head = self.model.get_output_embeddings().weight  # (a sharded model: this rank's rows, and no whole copy below)
-            h_old, w_old = [hidden_states(self.model, **b) / T for b in batches], head.detach().clone()
+            with self._phase("kl_realized"):
+                batches = self.dist.even_probes([probe_inputs(rollouts.select(idx), self.device)
+                                                 for idx in rows.split(self.cfg.train.micro_batch_size)] if len(rows) else [],
+                                                self.model)
+                head = self.model.get_output_embeddings().weight  # (a sharded model: this rank's rows, and no whole copy below)
+                h_old, w_old = [hidden_states(self.model, **b) / T for b in batches], head.detach().clone()
         self.method.apply(update, scale)
         if sc.predictor == "secant":
             stats.update({"kl/trial_scale": at, "kl/trials": trials})
         stats.update({"kl/predicted": predicted, "kl/predicted_scaled": predicted * scale**2, "step/scale": scale,
                       "kl/predicted_stderr": stderr, "kl/probe_tokens": self.dist.all_sum(weight)[0]})
         if sc.measure_realized:
-            W = self.model.get_output_embeddings().weight.detach()
-            terms = [exact_kl(h, w_old, hidden_states(self.model, **b) / T, W, sc.chunk, logit_softcap(self.model))
-                     for h, b in zip(h_old, batches)]
-            tokens = float(sum(t.numel() for t in terms))
-            realized = float(sum(t.sum() for t in terms)) / tokens if tokens else 0.0
-            stats["kl/realized"] = self.dist.weighted_mean(realized, tokens)
+            with self._phase("kl_realized"):
+                W = self.model.get_output_embeddings().weight.detach()
+                terms = [exact_kl(h, w_old, hidden_states(self.model, **b) / T, W, sc.chunk, logit_softcap(self.model))
+                         for h, b in zip(h_old, batches)]
+                tokens = float(sum(t.numel() for t in terms))
+                realized = float(sum(t.sum() for t in terms)) / tokens if tokens else 0.0
+                stats["kl/realized"] = self.dist.weighted_mean(realized, tokens)
         return stats
 
     def accumulate_gradients(self, rollouts: Rollouts, advantages: torch.Tensor, micro: list[torch.Tensor], old=None,
