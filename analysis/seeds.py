@@ -221,8 +221,8 @@ def table(runs: pd.DataFrame, sweep: str = SWEEP) -> Table:
              f"seeds counted: {len(counted)}; decided at look {len(data)}: later seeds are not looked at"]
     if counted:  # each seed's own numbers: what the looks are made of (no interval between looks)
         notes.append(f"per counted seed, final pass@1 {REFERENCE} / {METHOD} and Δ (pp): " + "; ".join(
-            f"{s}: {st['finals'][s][0]:.3f} / {st['finals'][s][1]:.3f} ({fmt(100 * float(st['diffs'][s].mean()), 1, signed=True)})"
-            for s in counted))
+            f"{s}: {st['finals'][s][0]:.3f} / {st['finals'][s][1]:.3f} "
+            f"({fmt(100 * float(st['diffs'][s].mean()), 1, signed=True)})" for s in counted))
     notes += [f"not counted: {w}" for w in st["excluded"]]
     return Table("seed_study", f"Seed study: {METHOD} − {REFERENCE} on fresh seeds, by the stopping rule", data, shown,
                  notes)

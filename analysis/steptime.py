@@ -29,7 +29,8 @@ TIME_RUNS_MD = "tables/time_runs.md"  # where python -m analysis writes runs_tab
 PHASES = ["rollout", "old_logprobs", "fwd_bwd", "optimizer", "kl_predict", "sync", "step"]
 RUN_PHASES = {"rollout": "time/rollout_s", "reward": "time/reward_s", "old_logprobs": "time/old_logprobs_s",
               "fwd_bwd": "time/fwd_bwd_s", "optimizer": "time/optimizer_s", "kl_predict": "time/kl_predict_s",
-              "kl_realized": "time/kl_realized_s", "sync": "time/sync_s", "step": "time/step_s"}  # the runs' keys (experiments/rl/metrics.py)
+              "kl_realized": "time/kl_realized_s", "sync": "time/sync_s",
+              "step": "time/step_s"}  # the runs' keys (experiments/rl/metrics.py)
 
 
 def load_time_csv(root: str | Path) -> pd.DataFrame | None:

@@ -278,7 +278,8 @@ class StepProfiler:
     own phase timers, so a sweep shows a step's time by phase without a second pass
     (``analysis.steptime``). ``optimizer`` excludes the phases nested in it (:data:`NESTED`: the KL
     prediction, and ``kl_realized``, step_control.measure_realized's forwards — a diagnostic, timed
-    only, its memory counted under ``optimizer``); the rollout and sync phases are the trainer's own ``time/rollout_s`` and ``time/sync_s``.
+    only, its memory counted under ``optimizer``); the rollout and sync phases are the trainer's own
+    ``time/rollout_s`` and ``time/sync_s``.
     ``record()`` gives the step's ``mem/*`` and ``time/<phase>_s`` keys; the ``mem/*`` ones are
     also appended to ``<run_dir>/memory_profile.jsonl``."""
 
