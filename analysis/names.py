@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 
 import pandas as pd
 
@@ -102,7 +103,7 @@ def variant_names(runs: pd.DataFrame) -> dict[tuple[str, str], str]:
 
     first = per_run(runs).drop_duplicates(["task_label", "variant"])
     named = {(r["task_label"], r["variant"]): display_name(r) for _, r in first.iterrows()}
-    seen = pd.Series(list(named.values())).groupby([task for task, _ in named]).value_counts() if named else None
+    seen = Counter((task, name) for (task, _), name in named.items())
     for (task, variant), name in list(named.items()):
         if seen[(task, name)] > 1:
             r = first[(first["task_label"] == task) & (first["variant"] == variant)].iloc[0]

@@ -103,15 +103,16 @@ def membership(runs: pd.DataFrame, sweep: str = SWEEP) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
-def paired_outcomes(runs: pd.DataFrame, members: pd.DataFrame) -> tuple[dict[int, np.ndarray], list[str]]:
+def paired_outcomes(runs: pd.DataFrame, members: pd.DataFrame) -> tuple[dict[int, np.ndarray], list[str], dict]:
     """Per seed whose METHOD and REFERENCE runs (both done, both matching) pair up problem by problem:
-    d = x_METHOD − x_REFERENCE over the problems in id order; and why the other seeds do not count."""
+    d = x_METHOD − x_REFERENCE over the problems in id order; why the other seeds do not count; and the
+    counted seeds' final pass@1 (seed → (REFERENCE's, METHOD's))."""
     from analysis.accuracy import per_run_accuracy
 
     per = per_run_accuracy(runs)
     dirs = per_run(runs)["run_dir"]
     ok = members[members["matches"] & members["done"]]
-    out, why, problems = {}, [], None
+    out, why, problems, ends = {}, [], None, {}
     for seed, of_seed in ok.groupby("seed"):
         by_method = {m: g["run"].tolist() for m, g in of_seed.groupby("method")}
         if sorted(by_method) != sorted((REFERENCE, METHOD)) or any(len(v) != 1 for v in by_method.values()):
@@ -132,7 +133,8 @@ def paired_outcomes(runs: pd.DataFrame, members: pd.DataFrame) -> tuple[dict[int
         else:
             problems = ids if problems is None else problems  # every counted seed: the same problems, in id order
             out[int(seed)] = d[0]
-    return out, why
+            ends[int(seed)] = tuple(float(per.loc[by_method[m][0], "end"]) for m in (REFERENCE, METHOD))
+    return out, why, ends
 
 
 @dataclass(frozen=True)
@@ -175,18 +177,9 @@ def state(runs: pd.DataFrame, sweep: str = SWEEP) -> dict:
     ``verdict`` line (VERDICTS)."""
     members = membership(runs, sweep)
     fresh = members[members["fresh"]] if not members.empty else members
-    diffs, excluded = paired_outcomes(runs, fresh) if not fresh.empty else ({}, [])
+    diffs, excluded, finals = paired_outcomes(runs, fresh) if not fresh.empty else ({}, [], {})
     excluded += [f"{r.run}: config differs from the study's in {r.differs}" for r in fresh.itertuples() if not r.matches]
     taken = looks(diffs)
-    finals = {}
-    if diffs:
-        from analysis.accuracy import per_run_accuracy
-
-        end = per_run_accuracy(runs)["end"]
-        ok = fresh[fresh["matches"] & fresh["done"] & fresh["seed"].isin(list(diffs))]
-        for seed, of_seed in ok.groupby("seed"):
-            by_method = dict(zip(of_seed["method"], of_seed["run"]))
-            finals[int(seed)] = (float(end[by_method[REFERENCE]]), float(end[by_method[METHOD]]))
     if taken and taken[-1].decision != "continue":
         verdict = VERDICTS[taken[-1].decision]
     else:
