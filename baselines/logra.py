@@ -75,6 +75,7 @@ class LoGRAMethod(Method):
         V, h = s.vocab, s.hidden
         dense_rest = s.norms + s.biases + (s.embed if embed_dense else 0) + (s.head if head_dense and not s.tied else 0)
         rows = sum(m for m, _ in s.proj) + (V if emb else 0)
+        max_rows = max([m for m, _ in s.proj] + ([V] if emb else []))
         sketched = s.n_proj + (s.embed if emb else 0)
         state = [Term("optimizer", "LoGRA row second moments", rows * 4 // o, f"{rows:,} rows, fp32")]
         per = MASTER_BYTES[master](b) if ctx.low else 0
@@ -113,7 +114,7 @@ class LoGRAMethod(Method):
             if head_sketched else []
         return MemoryTerms(
             state=state, grads=grads, step=step, saves_inputs=False, embed_grad=embed_dense, head_grad=head_dense, head=head,
-            dense_layer_grads=False, sketched_rows=rows, receiver_bytes=per,
+            dense_layer_grads=False, sketched_rows=rows, sketched_max_rows=max_rows, receiver_bytes=per,
             layer_extra=[(7 * r, 4, f"X A^T (tokens x {r}, fp32) per sketched projection instead of X")],
             assumptions=[f"logra: projections learn through m x r sketches (r={r}), no dense gradient; embedding "
                          + ("and tied head sketched" if emb else "and head trained by AdamW with a dense gradient")

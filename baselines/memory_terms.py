@@ -98,6 +98,7 @@ class MemoryTerms:
     assumptions: list[str] = field(default_factory=list)  # printed among the plan's assumptions
     dense_layer_grads: bool = True  # a decoder layer's weights get dense gradients (FSDP holds one layer's unsharded)
     sketched_rows: int = 0  # Σ m of the weights synced as low-rank ops (m x r factors in the payload)
+    sketched_max_rows: int = 0  # the largest such m (a sharded sender gathers one factor at a time)
     receiver_bytes: int = 0  # bytes per sketched element an engine keeps beside its weights (masters, compensations)
 
 

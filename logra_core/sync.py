@@ -38,9 +38,11 @@ payload only on top of ``version − 1`` and checks the digest of its own tensor
 a mismatch makes :meth:`SyncReceiver.receive` return False, and the sender answers with a full
 payload (every tensor and master). Nothing drifts silently.
 
-Values travel as a :class:`Streamed` mapping: each tensor is produced when the receiver (or a
-transport) reads it — cloned, or gathered from its shards — and dropped after use, so a full
-resync holds one extra tensor at a time, not a second model.
+Values and ops travel as :class:`Streamed` mappings: each tensor (each op's L) is produced when the
+receiver (or a transport) reads it — cloned, or gathered from its shards — and dropped after use, so
+a full resync holds one extra tensor at a time, not a second model, and a step's payload from a
+sharded trainer one gathered L at a time. A receiver that refuses a payload still reads it through
+(:func:`drain`), since a sharded sender's ranks gather each tensor together.
 
 Parts (:class:`Part`, :class:`PartReceiver`): a receiver may hold only a part of each of the
 trainer's tensors — rows of an inference engine's fused parameter (vLLM's q/k/v), or one
@@ -130,30 +132,63 @@ class Streamed(Mapping):
         return len(self.meta)
 
 
+class StreamedOps(Streamed):
+    """Low-rank ops by name, each made by ``fetch(name)`` when read (a sharded sender gathers its L then)
+    and not kept; ``meta[name]`` is the op's header: the op with ``left`` (and ``basis``) as (shape,
+    dtype), what a transport's header sends and sizes are read from."""
+
+
 def _meta(t: torch.Tensor) -> tuple:
     """What the header says of a tensor: shape and dtype."""
     return tuple(t.shape), t.dtype
 
 
+def op_header(op: LowRankOp, rows: Optional[int] = None) -> LowRankOp:
+    """``op`` with its tensors as (shape, dtype); ``rows``: L's rows once gathered whole (else its own)."""
+    shape, dtype = _meta(op.left)
+    left = (shape if rows is None else (rows, *shape[1:]), dtype)
+    return replace(op, left=left, basis=None if op.basis is None else _meta(op.basis))
+
+
+def _meta_bytes(meta: tuple) -> int:
+    shape, dtype = meta
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
 def _mapping_bytes(values: Mapping) -> int:
     if isinstance(values, Streamed):
-        return sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                   for shape, dtype in values.meta.values())
+        return sum(_meta_bytes(m) for m in values.meta.values())
     return sum(_nbytes(t) for t in values.values())
+
+
+def _headers(ops: Mapping) -> dict[str, LowRankOp]:
+    return dict(ops.meta) if isinstance(ops, StreamedOps) else {n: op_header(op) for n, op in ops.items()}
+
+
+def _ops_bytes(ops: Mapping) -> int:
+    return sum(_meta_bytes(h.left) + (_meta_bytes(h.basis) if h.basis is not None else 0) for h in _headers(ops).values())
+
+
+def drain(payload: "SyncPayload") -> None:
+    """Read every streamed op and tensor of ``payload`` and drop it, in the order a receiver reads them:
+    what a receiver that refuses a payload does, since a sharded sender's ranks gather them together."""
+    for part in (payload.lowrank, payload.values, payload.masters):
+        for _ in part.values():
+            pass
 
 
 @dataclass
 class SyncPayload:
     version: int
     full: bool = False  # every tensor (a resync or the first sync); else a step's changes
-    lowrank: dict[str, LowRankOp] = field(default_factory=dict)
+    lowrank: Mapping[str, LowRankOp] = field(default_factory=dict)  # a dict, or StreamedOps (fetched when read)
     values: Mapping[str, torch.Tensor] = field(default_factory=dict)  # a dict, or Streamed (fetched when read)
     masters: Mapping[str, torch.Tensor] = field(default_factory=dict)  # masters / compensations (full payloads only)
     checksum: str = ""
 
     def nbytes(self) -> int:
         """Bytes of tensor data the payload carries."""
-        return sum(op.nbytes() for op in self.lowrank.values()) + _mapping_bytes(self.values) + _mapping_bytes(self.masters)
+        return _ops_bytes(self.lowrank) + _mapping_bytes(self.values) + _mapping_bytes(self.masters)
 
     def touched(self) -> list[str]:
         return sorted(set(self.lowrank) | set(self.values))
@@ -217,6 +252,14 @@ class SyncSender:
     def whole_master(self, name: str) -> torch.Tensor:
         return _clone(self.tensors.masters[name])
 
+    def whole_op(self, name: str, op: LowRankOp) -> LowRankOp:
+        """``op`` as a receiver applies it (here: as the trainer's step made it)."""
+        return op
+
+    def header(self, name: str, op: LowRankOp) -> LowRankOp:
+        """What :meth:`whole_op` will make of ``op``, its tensors as (shape, dtype)."""
+        return op_header(op)
+
     def agree(self, ok: bool) -> bool:
         """Whether every sender of this sync accepted (one process: ``ok``); a sharded sender's ranks
         must resync together, since a full payload is a collective."""
@@ -228,7 +271,9 @@ class SyncSender:
         self.tensors.masters = dict(masters)
         plain = [n for n in changed if n not in lowrank]
         values = Streamed({n: _meta(self.tensors.params[n]) for n in plain}, self.whole)
-        payload = SyncPayload(self.version, lowrank=dict(lowrank), values=values)
+        ops = dict(lowrank)
+        lowrank = StreamedOps({n: self.header(n, op) for n, op in ops.items()}, lambda n: self.whole_op(n, ops[n]))
+        payload = SyncPayload(self.version, lowrank=lowrank, values=values)
         payload.checksum = self.tensors.checksum(payload.touched())
         return payload
 
@@ -261,8 +306,7 @@ class SyncReceiver:
             return self._verify(payload)
         if self.version is None or payload.version != self.version + 1:
             self.last_error = f"version gap: have {self.version}, payload {payload.version}"
-            for _ in payload.values.values():  # read and dropped: a sharded sender's ranks gather them together
-                pass
+            drain(payload)
             return False
         params, masters = self.tensors.params, self.tensors.masters
         for name, op in payload.lowrank.items():
@@ -272,8 +316,10 @@ class SyncReceiver:
                 if buffer is not None:
                     masters[name] = buffer
             self._apply(name, op, masters.get(name))
+            del op  # before the next is made: one streamed op or value alive at a time
         for name, value in payload.values.items():
             self._assign(name, value)
+            del value
         self.version = payload.version
         return self._verify(payload)
 
@@ -510,8 +556,7 @@ def send_payload(payload: SyncPayload, channel: Channel) -> None:
     """A pickled header (names, shapes, dtypes, specs), then every tensor of the payload, one at a time."""
     header = SyncPayload(
         payload.version, payload.full,
-        lowrank={n: replace(op, left=_meta(op.left), basis=None if op.basis is None else _meta(op.basis))
-                 for n, op in payload.lowrank.items()},
+        lowrank=_headers(payload.lowrank),
         values=_metas(payload.values), masters=_metas(payload.masters), checksum=payload.checksum)
     channel.send_obj(header)
     for t in _tensors_of(payload):

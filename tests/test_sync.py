@@ -1,6 +1,7 @@
 """Weight sync from trainer to rollout engine (docs/design.md §3.3): bit-exact copies, corruption and gaps healed."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -117,6 +118,41 @@ def test_a_faulty_delivery_is_caught_and_healed(fault, variant):
     assert_equal_models(model, engine_model)
 
 
+def test_a_step_payload_holds_one_gathered_factor_at_a_time():
+    """A sharded sender gathers each op's L when the receiver reads it (StreamedOps), so a step's
+    payload adds one whole L at a time, not every sketched weight's at once; its size is known from
+    the header without a gather."""
+    from logra_core.digest import BLOCK, GROUP_BLOCKS
+    from experiments.memory.profiler import MemoryProfiler
+
+    class Gathering(SyncSender):  # as fsdp2's GatheringSender: each read makes a new whole L
+        def whole_op(self, name, op):
+            return dataclasses.replace(op, left=op.left.clone())
+
+    rows, rank = 1 << 15, 64  # L: 8 MiB, above the digest's work buffer
+    model = torch.nn.Sequential(*[torch.nn.Linear(rank, rows, bias=False) for _ in range(6)])
+    engine_model = copy.deepcopy(model).requires_grad_(False)
+    sender, receiver = Gathering(model), SyncReceiver(engine_model)
+    assert receiver.receive(sender.full())
+    ops = {}
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            ops[name] = LowRankOp(torch.randn(rows, rank) * 1e-3, spec=(0, i, 1, "rademacher", rank, rank))
+            apply_lowrank(p, ops[name])
+    factors = sum(op.nbytes() for op in ops.values())
+    profiler = MemoryProfiler(torch.nn.Module())
+    with profiler:
+        profiler.register([*model.parameters(), *engine_model.parameters(), *(op.left for op in ops.values())])
+        before = profiler.current
+        payload = sender.delta(ops, [], {})
+        assert payload.nbytes() == factors
+        assert receiver.receive(payload), receiver.last_error
+    extra = profiler.peak - before
+    assert extra <= factors / len(ops) + 4 * GROUP_BLOCKS * BLOCK + (1 << 16), (extra, factors)
+    assert extra < 0.5 * factors
+    assert_equal_models(model, engine_model)
+
+
 def test_apply_lowrank_decay_order():
     W = torch.ones(2, 3)
     op = LowRankOp(torch.ones(2, 1), basis=torch.ones(1, 3), decay=0.5, decay_first=True)
@@ -206,7 +242,8 @@ def test_trainer_heals_a_corrupt_and_a_lost_payload(tmp_path, engine):
     def faulty(payload):
         calls.append(payload.version)
         if not payload.full and len(calls) == 4:
-            payload = copy.deepcopy(payload)
+            payload = dataclasses.replace(payload, lowrank={n: copy.deepcopy(op) for n, op in payload.lowrank.items()},
+                                          values=dict(payload.values))  # what travels: read once, then corrupted
             flip_sign_bit(max(payload.lowrank.values(), key=lambda op: op.left.abs().max()).left)
         if not payload.full and len(calls) == 6:
             return True  # lost in transit

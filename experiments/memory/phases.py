@@ -27,9 +27,9 @@ phase:
   FSDP one layer gathered with its m × r factors and every rank's probe states all-gathered;
 * ``optimizer`` — the step's candidate (on CUDA the method's AdamW temporaries are foreach's: one the size
   of every stepped element, ``_foreach_sqrt`` of the second moments, baselines/memory_terms.py);
-* ``sync`` — the payload to the engine (logra_core/sync.py): every sketched weight's L gathered whole
-  (m × r fp32), the largest changed dense tensor gathered whole (one at a time), the digest's work
-  buffer; the gradients or sketches are still alive; a sleeping vLLM engine's weights are woken
+* ``sync`` — the payload to the engine (logra_core/sync.py): under FSDP the largest sketched weight's L
+  gathered whole (m × r fp32; one at a time: unsharded, the payload reads the trainer's own), the
+  largest changed dense tensor gathered whole (one at a time), the digest's work buffer; the gradients or sketches are still alive; a sleeping vLLM engine's weights are woken
   for it (its KV cache is not: verl's order, weights, sync, then KV).
 """
 
@@ -63,6 +63,7 @@ class Step:
     candidates: dict[str, list[Term]]  # the training step's candidates (persist included)
     rank: int
     sketched_rows: int  # Σ m over the sketched weights (0: the method sends no low-rank ops)
+    sketched_max_rows: int  # the largest m of a sketched weight
     receiver_bytes: int  # bytes per sketched element the engine keeps beside its weights (masters, compensations)
     dense_layer_grads: bool  # a layer's unsharded gradient exists before FSDP's reduce-scatter
     rows: int  # sequences per GPU per step (rollout and training)
@@ -150,8 +151,9 @@ def phases(st: Step) -> dict[str, list[Term]]:
     out["optimizer"] = list(st.candidates["optimizer"]) + resident  # (CUDA's foreach AdamW temporary: the method's step terms)
     if st.engine in ("hf", "vllm"):
         biggest_dense = max(s.embed, s.head, s.hidden) * b
-        payload = [Term("activations", "low-rank payload gathered", st.sketched_rows * st.rank * 4,
-                        "every sketched weight's L = −η·s·D, m x r fp32, whole")] if st.sketched_rows else []
+        payload = [Term("activations", "a low-rank factor gathered", st.sketched_max_rows * st.rank * 4,
+                        "the largest sketched weight's L = −η·s·D, m x r fp32, whole; streamed: one at a time")] \
+            if st.sketched_rows and sharded else []
         payload += [Term("activations", "a changed dense tensor gathered", biggest_dense, "streamed: one at a time"),
                     Term("activations", "digest work buffer", DIGEST_BUFFER, "int32 products of one block group")]
         woken = [replace_note(engine["weights"], "woken for the sync (sleep mode); its KV cache is not")] if asleep else []

@@ -454,7 +454,8 @@ def plan(model, method, *, gpus=1, gpu_mem_gb=80.0, micro_batch=1, seq_len=1024,
     probe = int(opts.get("probe_seqs") or min(rows_per_gpu, max(12, -(-rows_per_gpu // 4))))
     st = Step(s=s, b=b, gpus=gpus, fsdp=sharding in ("fsdp", "zero3"), persist=persist,
               grads=grads_all if mt.grads_at_step else [], update=mt.step, candidates=cands, rank=r,
-              sketched_rows=mt.sketched_rows, receiver_bytes=mt.receiver_bytes, dense_layer_grads=mt.dense_layer_grads,
+              sketched_rows=mt.sketched_rows, sketched_max_rows=mt.sketched_max_rows,
+              receiver_bytes=mt.receiver_bytes, dense_layer_grads=mt.dense_layer_grads,
               rows=rows_per_gpu, seq_len=T,
               completion_len=C, probe_seqs=probe, cuda=device == "cuda", engine=engine, share_bytes=0,
               other_bytes=other, step_control=control, reference=bool(opts.get("reference_model", False)), vllm=vllm)

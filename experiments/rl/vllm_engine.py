@@ -41,7 +41,7 @@ from experiments.rl.rollout import RolloutConfig, RolloutEngine, Rollouts, _as_l
 from experiments.rl.vllm_config import (MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, engine_bytes, engine_seed, executor,
                                         utilization, validate, weight_path)
 from experiments.rl.vllm_weights import WEIGHT_PATHS
-from logra_core.sync import SyncPayload
+from logra_core.sync import SyncPayload, drain
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the CPU build's KV cache unless rollout.vllm.kv_cache_gb or VLLM_CPU_KVCACHE_SPACE (GiB)
 # torch threads while vLLM samples on CPU: vLLM serves with 1 (idle OpenMP workers spin after each parallel
@@ -127,8 +127,7 @@ class VLLMEngine(RolloutEngine):
         self.wake("weights")
         if self.discarded and not payload.full:
             self.weights.receiver.last_error = "sleep level 2 discarded the weights: a full payload is needed"
-            for _ in payload.values.values():  # read and dropped, as a sharded sender's ranks gather them together
-                pass
+            drain(payload)  # read and dropped, as a sharded sender's ranks gather them together
             return False
         ok = self.weights.receive(payload, self.llm)
         self.discarded = self.discarded and not (ok and payload.full)

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from experiments.rl.distributed.base import DataParallel, _StateDictModule, _tie, register_strategy
 from experiments.rl.sharded_checkpoint import is_sharded, save_sharded
 from logra_core.distributed import RowShard, gather_rows, local_rows
-from logra_core.sync import SyncSender, _Tensors
+from logra_core.sync import LowRankOp, SyncSender, _Tensors, op_header
 
 
 class _ShardedTensors(_Tensors):
@@ -72,10 +72,11 @@ class GatheringSender(SyncSender):
 
     A step's low-rank op on a sharded weight carries this rank's rows of L; the payload gets every
     rank's rows (:func:`logra_core.distributed.gather_rows`, m × r), with A still rebuilt from its
-    seed by the receiver. The values of changed dense tensors (and, in a full payload, of every tensor
-    and master) are gathered whole one at a time, when the receiver reads them
-    (:class:`logra_core.sync.Streamed`). The checksum is the sum of the ranks' digests of their own
-    rows (:mod:`logra_core.digest`): nothing is gathered to verify. Every rank must call
+    seed by the receiver. Each op's L, and the values of changed dense tensors (and, in a full
+    payload, of every tensor and master), are gathered whole one at a time, when the receiver reads
+    them (:class:`logra_core.sync.StreamedOps`, :class:`logra_core.sync.Streamed`). The checksum is the
+    sum of the ranks' digests of their own rows (:mod:`logra_core.digest`): nothing is gathered to
+    verify. Every rank must call
     :meth:`delta` / :meth:`full` and read the payload together (collectives in the same order: the
     names sorted).
     """
@@ -96,10 +97,11 @@ class GatheringSender(SyncSender):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def delta(self, lowrank, changed, masters):
-        lowrank = {n: dataclasses.replace(lowrank[n], left=gather_rows(lowrank[n].left, self.tensors.params[n]))
-                   for n in sorted(lowrank)}
-        return super().delta(lowrank, sorted(changed), masters)
+    def whole_op(self, name: str, op: LowRankOp) -> LowRankOp:
+        return dataclasses.replace(op, left=gather_rows(op.left, self.tensors.params[name]))
+
+    def header(self, name: str, op: LowRankOp) -> LowRankOp:
+        return op_header(op, rows=self.tensors.params[name].shape[0])
 
 
 def _row_shard(t: torch.Tensor, like: torch.Tensor):
