@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(e))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    sha = provenance.git_sha()  # of the code that runs, read before it runs and before its outputs land in the tree
     rows = []
     with tempfile.TemporaryDirectory(prefix="fsdp2_memory_") as tmp:
         for method in [m.strip() for m in a.methods.split(",") if m.strip()]:
@@ -115,18 +116,17 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append({"method": method, "phase": phase, "rank": rank, "measured_bytes": int(got[phase]),
                                      "planned_bytes": plan_bytes[phase], "ratio": round(plan_bytes[phase] / got[phase], 4)})
             print(f"{method}: " + ", ".join(f"{r['phase']}@{r['rank']} {r['ratio']}" for r in rows if r["method"] == method), flush=True)
-    write(out, a, argv, rows)
+    write(out, a, argv, rows, sha)
     return 0
 
 
-def write(out: Path, a: FSDP2MemoryArgs, argv: list[str], rows: list[dict]) -> None:
+def write(out: Path, a: FSDP2MemoryArgs, argv: list[str], rows: list[dict], sha: str) -> None:
     import csv
 
     with (out / "memory.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    sha = provenance.git_sha()
     meta = {"command": "python -m experiments.memory.fsdp2_memory " + " ".join(argv), "git_sha": sha,
             "settings": asdict(a), "torch_threads_per_rank": 1}
     (out / "memory.json").write_text(json.dumps(meta, indent=1) + "\n")
