@@ -53,7 +53,7 @@ master mode, and digests at its global positions (:func:`part_digest`), so the s
 
 Transport is the receiver's business: in process (call :meth:`SyncReceiver.receive`), to another
 process over a gloo :class:`Channel` (:func:`send_payload` / :func:`recv_payload`: a pickled
-header, then each tensor), or into an inference engine.
+header, then each tensor, received when the receiver reads it), or into an inference engine.
 """
 
 from __future__ import annotations
@@ -124,6 +124,9 @@ class Streamed(Mapping):
         if name not in self.meta:
             raise KeyError(name)
         return self._fetch(name)
+
+    def __contains__(self, name: object) -> bool:  # from the header: Mapping's default would fetch
+        return name in self.meta
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.meta)
@@ -563,17 +566,38 @@ def send_payload(payload: SyncPayload, channel: Channel) -> None:
         channel.send_tensor(t)
 
 
+class _Incoming:
+    """A payload's tensors as they arrive on a channel, in :func:`_tensors_of`'s order, each received when
+    a receiver reads it — which it does in that order (ops, values, masters; names sorted)."""
+
+    def __init__(self, channel: Channel, header: SyncPayload):
+        self.channel = channel
+        self.order = iter([("op", n) for n in sorted(header.lowrank)] + [("value", n) for n in sorted(header.values)]
+                          + [("master", n) for n in sorted(header.masters)])
+
+    def take(self, kind: str, name: str, *metas: tuple) -> list[torch.Tensor]:
+        coming = next(self.order, None)
+        if coming != (kind, name):
+            raise RuntimeError(f"sync payload read out of order: {kind} {name!r} asked for, the channel holds {coming}")
+        return [self.channel.recv_tensor(*meta) for meta in metas]
+
+
 def recv_payload(channel: Channel) -> SyncPayload:
+    """The payload :func:`send_payload` sends, streamed: its header now, each op and tensor received when
+    the receiver reads it, so a full payload holds one extra tensor at a time on this side too."""
     header: SyncPayload = channel.recv_obj()
-    take = lambda meta: channel.recv_tensor(*meta)  # noqa: E731  (in _tensors_of's order)
-    for name in sorted(header.lowrank):
-        op = header.lowrank[name]
-        op.left = take(op.left)
-        if op.basis is not None:
-            op.basis = take(op.basis)
-    header.values = {n: take(header.values[n]) for n in sorted(header.values)}
-    header.masters = {n: take(header.masters[n]) for n in sorted(header.masters)}
-    return header
+    incoming = _Incoming(channel, header)
+    ops, values, masters = dict(header.lowrank), dict(header.values), dict(header.masters)
+
+    def op(name: str) -> LowRankOp:
+        h = ops[name]
+        left, *basis = incoming.take("op", name, h.left, *([h.basis] if h.basis is not None else []))
+        return replace(h, left=left, basis=basis[0] if basis else None)
+
+    return SyncPayload(header.version, header.full, lowrank=StreamedOps(ops, op),
+                       values=Streamed(values, lambda n: incoming.take("value", n, values[n])[0]),
+                       masters=Streamed(masters, lambda n: incoming.take("master", n, masters[n])[0]),
+                       checksum=header.checksum)
 
 
 def _tensors_of(payload: SyncPayload) -> Iterator[torch.Tensor]:

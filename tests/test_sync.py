@@ -1,7 +1,9 @@
 """Weight sync from trainer to rollout engine (docs/design.md §3.3): bit-exact copies, corruption and gaps healed."""
 
+import collections
 import copy
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import transformers
 from experiments.config import build_config
 from experiments.rl.trainer import GRPOTrainer
 from logra_core.optimizer import LoGRA
-from logra_core.sync import LowRankOp, SyncReceiver, SyncSender, apply_lowrank, full_bytes
+from logra_core.sync import LowRankOp, SyncReceiver, SyncSender, apply_lowrank, full_bytes, recv_payload, send_payload
 from tests.conftest import TINY
 from tests.toy_task import Toy  # noqa: F401  (registers the toy task)
 
@@ -151,6 +153,55 @@ def test_a_step_payload_holds_one_gathered_factor_at_a_time():
     assert extra <= factors / len(ops) + 4 * GROUP_BLOCKS * BLOCK + (1 << 16), (extra, factors)
     assert extra < 0.5 * factors
     assert_equal_models(model, engine_model)
+
+
+class _Pipe:
+    """Both ends of a Channel in one process: what one end sends, the other receives, in order."""
+
+    def __init__(self):
+        self.items = collections.deque()
+
+    def send_obj(self, obj):
+        self.items.append(pickle.loads(pickle.dumps(obj)))
+
+    def recv_obj(self):
+        return self.items.popleft()
+
+    def send_tensor(self, t):
+        self.items.append(t.clone())
+
+    def recv_tensor(self, shape, dtype):
+        t = self.items.popleft()
+        assert tuple(t.shape) == tuple(shape) and t.dtype == dtype
+        return t
+
+
+@pytest.mark.parametrize("variant", ["embeddings", "svd"])
+def test_a_payload_over_a_channel_arrives_as_the_receiver_reads_it(variant):
+    """recv_payload reads the header only; each op (its L, and A where no seed rebuilds it) and tensor
+    comes off the channel when the receiver reads it — so a full resync over a channel also holds one
+    extra tensor at a time — and a read out of the sent order is refused, not misapplied."""
+    model, engine_model, opt, sender, receiver = synced_pair(torch.bfloat16, variant)
+    pipe = _Pipe()
+    for step in range(2):
+        logra_step(model, opt, step)
+        send_payload(deliver(opt, sender), pipe)
+        payload = recv_payload(pipe)
+        assert payload.lowrank and payload.values
+        assert len(pipe.items) == sum(1 + (op.basis is not None) for op in payload.lowrank.meta.values()) + len(payload.values)
+        assert receiver.receive(payload), receiver.last_error
+        assert not pipe.items
+    send_payload(sender.full(opt.masters()), pipe)
+    full = recv_payload(pipe)
+    assert full.masters and len(pipe.items) == len(full.values) + len(full.masters)
+    assert receiver.receive(full), receiver.last_error
+    assert not pipe.items
+    assert_equal_models(model, engine_model)
+    logra_step(model, opt, 2)
+    send_payload(deliver(opt, sender), pipe)
+    payload = recv_payload(pipe)
+    with pytest.raises(RuntimeError, match="out of order"):
+        payload.lowrank[sorted(payload.lowrank)[-1]]
 
 
 def test_apply_lowrank_decay_order():
