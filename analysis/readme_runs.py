@@ -48,10 +48,8 @@ def _versions(runs: pd.DataFrame, label: str = "runs") -> dict[str, list[str]]:
 
 
 def early_runs(repo: Path) -> pd.DataFrame:
-    """results/cpu's runs with seeds below the seed study's (the cpu profile's own seeds)."""
-    runs = _runs(str(repo / "results/cpu"))
-    _, grid = seeds.study_configs()
-    return runs[runs["seed"].astype(int) < min(grid)]
+    """results/cpu's runs outside the seed study (the cpu profile's own seeds)."""
+    return seeds.outside(_runs(str(repo / "results/cpu")))
 
 
 def _coverage_floor(repo: Path) -> float:

@@ -27,36 +27,44 @@ class Results:
     runs: pd.DataFrame
     memory: pd.DataFrame | None
 
+    @property
+    def profile(self) -> pd.DataFrame:
+        """The runs outside the seed study (:func:`analysis.seeds.outside`): what every output that reports
+        accuracy or step control reads; the study's runs count in seed_study and the cost tables only."""
+        return seeds.outside(self.runs)
+
 
 TABLES: dict[str, Callable[[Results], Table]] = {
     "memory_step": lambda r: memory.step_table(r.memory),
     "memory_runs": lambda r: memory.runs_table(r.runs),
     "time_step": lambda r: steptime.step_table(steptime.load_time_csv(r.root)),
     "time_runs": lambda r: steptime.runs_table(r.runs),
-    "accuracy": lambda r: accuracy.table(r.runs),
-    "accuracy_intervals": lambda r: intervals.table(r.runs),
-    "lr_sweep": lambda r: lr_sweep.table(r.runs),
-    "sync": lambda r: sync.table(r.runs),
-    "kl": lambda r: kl.table(r.runs),
-    "control": lambda r: control.table(r.runs),
-    "claims": lambda r: claims.table(r.root, r.runs),
+    "accuracy": lambda r: accuracy.table(r.profile),
+    "accuracy_intervals": lambda r: intervals.table(r.profile),
+    "lr_sweep": lambda r: lr_sweep.table(r.profile),
+    "sync": lambda r: sync.table(r.profile),
+    "kl": lambda r: kl.table(r.profile),
+    "control": lambda r: control.table(r.profile),
+    "claims": lambda r: claims.table(r.root, r.profile),
     "seed_study": lambda r: seeds.table(r.runs),
 }
 FIGURES: dict[str, Callable[[Results], object]] = {
     "memory": lambda r: memory.figure(r.memory, r.runs),
-    "memory_accuracy": lambda r: tradeoff.figure(r.memory, r.runs, r.root),
-    "lr_sweep": lambda r: lr_sweep.figure(r.runs),
-    "curves": lambda r: learning.figure(r.runs),
-    "kl_scatter": lambda r: kl.scatter(r.runs),
-    "scale_trace": lambda r: kl.scale_trace(r.runs),
-    "sync_bytes": lambda r: sync.figure(r.runs),
+    "memory_accuracy": lambda r: tradeoff.figure(r.memory, r.profile, r.root),
+    "lr_sweep": lambda r: lr_sweep.figure(r.profile),
+    "curves": lambda r: learning.figure(r.profile),
+    "kl_scatter": lambda r: kl.scatter(r.profile),
+    "scale_trace": lambda r: kl.scale_trace(r.profile),
+    "sync_bytes": lambda r: sync.figure(r.profile),
 }
 # The headline lines of tables/summary.md: what a results README says first.
 HEADLINES: dict[str, Callable[[Results], list[str]]] = {
-    "best learning rates": lambda r: lr_sweep.headline(r.runs),
-    "accuracy vs dense": lambda r: claims.headline(r.runs),
+    "best learning rates": lambda r: lr_sweep.headline(r.profile),
+    "accuracy vs dense": lambda r: claims.headline(r.profile),
     "seed study": lambda r: seeds.headline(r.runs),
 }
+PROFILE_TABLES = ("accuracy", "accuracy_intervals", "lr_sweep", "sync", "kl", "control", "claims")
+APART = "the seed study's {n} runs (fresh seeds {seeds}) are left out: only its stopping rule reads them (tables/seed_study.md)"
 SUMMARY = "summary.md"
 # Columns of runs.csv besides the metrics: what names a run and where it came from.
 RUN_COLUMNS = ["run", "task_label", "variant", "family", "method", "seed", "model.name", "task.name", "git_sha", "done"]
@@ -68,8 +76,17 @@ def load(root: str | Path) -> Results:
 
 
 def tables(results: Results) -> dict[str, Table | str]:
-    """Every table, or the one-line reason it is absent."""
-    return {name: _try(build, results) for name, build in TABLES.items()}
+    """Every table, or the one-line reason it is absent; a table that reads :attr:`Results.profile` says
+    which runs that leaves out."""
+    out = {name: _try(build, results) for name, build in TABLES.items()}
+    apart = results.runs[~results.runs["run"].isin(results.profile["run"])] if not results.runs.empty else results.runs
+    if not apart.empty:
+        seeds_apart = sorted(set(apart["seed"].astype(int)))
+        note = APART.format(n=apart["run"].nunique(), seeds=", ".join(map(str, seeds_apart)))
+        for name in PROFILE_TABLES:
+            if isinstance(out.get(name), Table):
+                out[name].notes.append(note)
+    return out
 
 
 def _try(build, results):

@@ -72,6 +72,16 @@ def study_configs(sweep: str = SWEEP) -> tuple[dict[str, dict], list[int]]:
     return configs, seeds
 
 
+def outside(runs: pd.DataFrame, sweep: str = SWEEP) -> pd.DataFrame:
+    """``runs`` less any run on one of the study's fresh seeds. Those are read by the stopping rule alone
+    (tables/seed_study.md): pooled into a root's other accuracy tables, their intervals would be looked
+    at after every published seed, at a nominal level, beside the seeds that chose the rates."""
+    if runs.empty:
+        return runs
+    _, grid = study_configs(sweep)
+    return runs[~runs["seed"].astype(int).isin(grid)]
+
+
 def disagreements(run_config: dict, study: dict, ran_step_control: bool) -> list[str]:
     """The experiment-defining keys on which a run's flattened config differs from the study's (module
     docstring)."""

@@ -151,3 +151,25 @@ def test_only_the_sampling_engine_s_settings_decide_membership():
     on_vllm = dict(study, **{"rollout.engine": "vllm"})
     missing = seeds.disagreements(dict(run, **{"rollout.engine": "vllm"}), on_vllm, True)
     assert missing and all(k.startswith("rollout.vllm.") for k in missing)
+
+
+def test_a_root_s_other_accuracy_tables_leave_the_study_s_runs_to_its_rule(tmp_path):
+    """Pooled into tables/accuracy_intervals.md and claims, the study's seeds would give a nominal 95 %
+    interval after every published seed, beside seeds that chose the rates: those tables read the runs
+    outside the study and say what they leave out; seed_study and the cost tables read every run."""
+    from analysis import report
+
+    make_root(tmp_path, [0.0, 0.01, -0.01, 0.0, 0.02])
+    ranking = list(range(PROBLEMS))
+    for seed in (0, 1):
+        write_run(tmp_path, "dense", seed, set(ranking[:150]))
+        write_run(tmp_path, "logra", seed, set(ranking[:100]))
+    results = report.load(tmp_path)
+    assert sorted(set(results.profile["seed"].astype(int))) == [0, 1]
+    tables = report.tables(results)
+    data = tables["accuracy_intervals"].data.set_index("method")
+    assert data.loc["logra", "seeds"] == 2 and data.loc["logra", "delta"] == pytest.approx(-0.25)
+    assert any("seed study's 10 runs (fresh seeds 100, 101, 102, 103, 104) are left out" in n
+               for n in tables["accuracy_intervals"].notes)
+    assert tables["seed_study"].data["seeds"].tolist() == [5]
+    assert any("(2 seeds, paired)" in line for line in report.summary_lines(results))
