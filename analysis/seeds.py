@@ -73,13 +73,14 @@ def study_configs(sweep: str = SWEEP) -> tuple[dict[str, dict], list[int]]:
 
 
 def outside(runs: pd.DataFrame, sweep: str = SWEEP) -> pd.DataFrame:
-    """``runs`` less any run on one of the study's fresh seeds. Those are read by the stopping rule alone
-    (tables/seed_study.md): pooled into a root's other accuracy tables, their intervals would be looked
-    at after every published seed, at a nominal level, beside the seeds that chose the rates."""
+    """``runs`` less the study's: a run of one of its methods on one of its fresh seeds. Those are read by
+    the stopping rule alone (tables/seed_study.md): pooled into a root's other accuracy tables, their
+    intervals would be looked at after every published seed, at a nominal level, beside the seeds that
+    chose the rates."""
     if runs.empty:
         return runs
-    _, grid = study_configs(sweep)
-    return runs[~runs["seed"].astype(int).isin(grid)]
+    configs, grid = study_configs(sweep)
+    return runs[~(runs["seed"].astype(int).isin(grid) & runs["method"].astype(str).isin(list(configs)))]
 
 
 def disagreements(run_config: dict, study: dict, ran_step_control: bool) -> list[str]:
