@@ -10,6 +10,7 @@ data is absent (no run synced weights, no memory.csv, ...) is skipped with one l
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,7 +28,7 @@ class Results:
     runs: pd.DataFrame
     memory: pd.DataFrame | None
 
-    @property
+    @functools.cached_property
     def profile(self) -> pd.DataFrame:
         """The runs outside the seed study (:func:`analysis.seeds.outside`): what every output that reports
         accuracy or step control reads; the study's runs count in seed_study and the cost tables only."""
