@@ -134,11 +134,12 @@ def dense_reference(runs: pd.DataFrame) -> dict[str, str]:
 
 
 def save_png_pdf(fig, out: Path) -> None:
-    """``out`` (PNG) and a PDF beside it; closes the figure."""
+    """``out`` (PNG) and a PDF beside it; closes the figure. The PDF carries no creation date, so the
+    same figure gives the same bytes (a regenerated root shows only the figures that changed)."""
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
-    fig.savefig(out.with_suffix(".pdf"))
+    fig.savefig(out.with_suffix(".pdf"), metadata={"CreationDate": None})
     plt.close(fig)
 
 

@@ -6,7 +6,8 @@
 - ``time_runs`` — the training runs' own phase timers (``time/rollout_s``, ``time/fwd_bwd_s``,
   ``time/optimizer_s``, ``time/kl_predict_s``, ``time/kl_realized_s``, ``time/sync_s``, ``time/step_s``):
   per run the median over its steps, mean over the seeds whose runs logged phase timers (runs from
-  before the timers are left out, not read as 0 s) per task × method variant. No second pass over the work, but the
+  before the timers are left out, not read as 0 s) per task × method variant; × dense paired by seed (on
+  the seeds both ran). No second pass over the work, but the
   methods ran as separate runs on their own samples (a policy's answer lengths set its rollout time;
   the quick profile runs two at once, sharing the machine), so it is a first look, not ``time_step``'s
   comparison.
@@ -86,36 +87,55 @@ def timed_runs(runs: pd.DataFrame) -> set[str]:
     return set(runs.loc[runs["time/fwd_bwd_s"].notna(), "run"]) if "time/fwd_bwd_s" in runs else set()
 
 
-def per_run_times(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per task × variant: each phase's median seconds over a run's steps, mean over seeds (a phase
-    the run did not time is 0), the seeds, and the steps per run. Only runs that logged phase timers
-    (:func:`timed_runs`) count: one from before the timers has no phase to read, not phases of 0 s."""
+def each_run_times(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per run that logged phase timers (:func:`timed_runs`; one from before the timers has
+    no phase to read, not phases of 0 s): each phase's median seconds over its steps (a phase the run
+    did not time is 0), its task × variant, seed and number of steps."""
     have = {p: k for p, k in RUN_PHASES.items() if k in runs}
     if "step" not in have or runs["time/step_s"].dropna().empty or "fwd_bwd" not in have:
         raise Absent("no run logged its phase times (time/step_s, time/fwd_bwd_s)")
     steps = runs[runs["run"].isin(timed_runs(runs))].dropna(subset=["time/step_s"])
     per_run = steps.groupby("run")[[have[p] for p in have]].median().fillna(0.0)
     per_run.columns = list(have)
-    per_run = per_run.join(steps.groupby("run")[GROUP].first()).join(steps.groupby("run").size().rename("steps"))
+    first = steps.groupby("run")[GROUP + ["seed"]].first()
+    return per_run.join(first).join(steps.groupby("run").size().rename("steps")).reset_index()
+
+
+def per_run_times(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per task × variant: each phase's median seconds over a run's steps, mean over seeds
+    (:func:`each_run_times`), the seeds, and the steps per run."""
+    per_run = each_run_times(runs)
+    phases = [p for p in RUN_PHASES if p in per_run.columns]
     g = per_run.groupby(GROUP, sort=True)
-    data = g[list(have)].mean()
+    data = g[phases].mean()
     data.insert(0, "seeds", g.size())
     data.insert(1, "steps", g["steps"].min())
     return data.reset_index()
+
+
+def paired_ratios(runs: pd.DataFrame, ref: dict) -> pd.DataFrame:
+    """Per task × variant, its step and its fwd_bwd + optimizer over the dense reference's (``ref``:
+    task → dense variant), each a mean over the seeds both ran over dense's mean on those seeds (a
+    seed only one of them ran, as while a sweep's runs land, would tilt the ratio by its own noise);
+    ``paired``: how many seeds, 0 (and NaN ratios) where they share none or the task has no dense."""
+    per_run = each_run_times(runs)
+    per_run["train"] = per_run["fwd_bwd"] + per_run.get("optimizer", 0.0)
+    rows = []
+    for (task, variant), group in per_run.groupby(GROUP, sort=True):
+        dense = per_run[(per_run["task_label"] == task) & (per_run["variant"] == ref.get(task))].groupby("seed").mean(numeric_only=True)
+        mine = group.groupby("seed").mean(numeric_only=True)
+        both = mine.index.intersection(dense.index)
+        ratio = lambda col: mine.loc[both, col].mean() / dense.loc[both, col].mean() if len(both) else float("nan")  # noqa: E731
+        rows.append({"task_label": task, "variant": variant, "paired": len(both), "dense_seeds": len(dense),
+                     "x_dense": ratio("step"), "train_x_dense": ratio("train")})
+    return pd.DataFrame(rows)
 
 
 def runs_table(runs: pd.DataFrame) -> Table:
     """The runs' own phase timers: median seconds per phase, the step × dense, and the KL prediction's share."""
     data = per_run_times(runs)
     phases = [p for p in RUN_PHASES if p in data.columns]
-    ref = dense_reference(runs)
-    dense = {task: data[(data["task_label"] == task) & (data["variant"] == v)].iloc[0] for task, v in ref.items()
-             if ((data["task_label"] == task) & (data["variant"] == v)).any()}
-    data["x_dense"] = [row["step"] / dense[row["task_label"]]["step"] if row["task_label"] in dense else float("nan")
-                       for _, row in data.iterrows()]
-    train = lambda row: row.get("fwd_bwd", 0.0) + row.get("optimizer", 0.0)  # noqa: E731
-    data["train_x_dense"] = [train(row) / train(dense[row["task_label"]]) if row["task_label"] in dense else float("nan")
-                             for _, row in data.iterrows()]
+    data = data.merge(paired_ratios(runs, dense_reference(runs)), on=GROUP, how="left")
     named = variant_names(runs)
     shown = pd.DataFrame({"task": data["task_label"],
                           "method": [named.get((t, v), v) for t, v in zip(data["task_label"], data["variant"])],
@@ -130,6 +150,13 @@ def runs_table(runs: pd.DataFrame) -> Table:
              "reward + the update (fwd_bwd, optimizer, kl_predict, kl_realized, sync); each method a separate run on its own "
              "samples (answer lengths set the rollout time), runs sharing the machine as the launcher ran them: a first look — python -m experiments.time_table "
              "(tables/time_step) times them interleaved on a fixed batch"]
+    unpaired = data[(data["dense_seeds"] > 0) & ((data["paired"] < data["seeds"]) | (data["paired"] < data["dense_seeds"]))]
+    if not unpaired.empty:
+        notes.append("× dense is paired by seed (a method's mean over dense's on the seeds both ran); here not every "
+                     "seed has both: " + "; ".join(
+                         f"{t} {named.get((t, v), v)} on {p} (it ran {n}, dense {d})" for t, v, p, n, d in
+                         zip(unpaired["task_label"], unpaired["variant"], unpaired["paired"], unpaired["seeds"],
+                             unpaired["dense_seeds"])))
     timed = timed_runs(runs)
     if untimed := set(runs["run"]) - timed:
         notes.append(f"seeds: the runs with phase timers; {len(untimed)} run(s) from before the timers are left out")

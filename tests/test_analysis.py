@@ -294,6 +294,24 @@ def test_time_runs_leave_out_runs_without_timers_and_say_where_the_optimizer_hol
     assert "count those forwards in their optimizer phase" in t.markdown()
 
 
+def test_time_runs_pair_the_ratio_by_seed_while_a_sweep_s_runs_land(tmp_path):
+    from analysis import steptime
+
+    for seed in (0, 1, 2):  # dense's seed 2 landed, logra's not yet: its rollout is the slowest (0.1 s per seed)
+        write_run(tmp_path, f"dense-arith-s{seed}", "dense", "arith", seed)
+    for seed in (0, 1):
+        write_run(tmp_path, f"logra-arith-s{seed}", "logra", "arith", seed)
+    t = steptime.runs_table(load_runs(tmp_path))
+    step = lambda method, seeds: statistics.mean(  # noqa: E731
+        statistics.median(phase_times(method, st, s)["step"] for st in range(1, STEPS + 1)) for s in seeds)
+    logra, dense = row(t.data, variant="logra"), row(t.data, variant="dense")
+    assert dense["seeds"] == 3 and dense["step"] == pytest.approx(step("dense", (0, 1, 2)))  # its phases: every seed
+    assert logra["x_dense"] == pytest.approx(step("logra", (0, 1)) / step("dense", (0, 1)))
+    assert logra["x_dense"] != pytest.approx(step("logra", (0, 1)) / step("dense", (0, 1, 2)))
+    assert logra["train_x_dense"] == pytest.approx((1.5 + 0.2) / 2.5) and dense["x_dense"] == pytest.approx(1.0)
+    assert "here not every seed has both: arith LoGRA, no probe floor on 2 (it ran 2, dense 3)" in t.markdown()
+
+
 def test_sync_table_matches_fixture(runs):
     t = sync.table(runs)
     assert set(t.data["variant"]) == {"dense lr=1e-05", "dense lr=5e-06", "logra"}  # lora used the shared engine
@@ -464,3 +482,15 @@ def test_labels_keep_models_apart_and_ignore_seeds(tmp_path):
     assert set(configs["variant"]) == {"dense", "logra"}
     t = accuracy.table(load_runs(tmp_path))  # each logra is compared with the dense of its own model
     assert row(t.data, task_label="arith (m-large)", variant="logra")["delta_end"] == pytest.approx(0.66 - 0.70)
+
+
+def test_a_figure_s_pdf_carries_no_creation_date(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from analysis.render import save_png_pdf
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    save_png_pdf(fig, tmp_path / "f.png")
+    pdf = (tmp_path / "f.pdf").read_bytes()
+    assert pdf.startswith(b"%PDF") and b"/CreationDate" not in pdf  # the same figure, the same bytes: a regenerated root shows only what changed
