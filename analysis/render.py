@@ -133,12 +133,13 @@ def dense_reference(runs: pd.DataFrame) -> dict[str, str]:
     return ref
 
 
-def save_png_pdf(fig, out: Path) -> None:
-    """``out`` (PNG) and a PDF beside it; closes the figure. The PDF carries no creation date, so the
-    same figure gives the same bytes (a regenerated root shows only the figures that changed)."""
+def save_png_pdf(fig, out: Path, dpi: int | None = 120) -> None:
+    """``out`` (PNG, at ``dpi``; None: the figure's) and a PDF beside it; closes the figure. The PDF
+    carries no creation date, so the same figure gives the same bytes (a regenerated folder shows only
+    the figures that changed)."""
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=dpi if dpi is not None else "figure")
     fig.savefig(out.with_suffix(".pdf"), metadata={"CreationDate": None})
     plt.close(fig)
 

@@ -132,6 +132,8 @@ def figure(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from analysis.render import save_png_pdf
+
     fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
     bottom = [0.0] * len(rows)
     for cat in ("params", "grads", "optimizer", "activations"):
@@ -142,9 +144,7 @@ def figure(rows: list[dict], out: Path) -> None:
     ax.set_title(f"one GRPO step, {rows[0]['model']}")
     ax.legend()
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    fig.tight_layout()
-    for ext in ("png", "pdf"):
-        fig.savefig(out / f"memory.{ext}")
+    save_png_pdf(fig, out / "memory.png", dpi=None)  # and its .pdf; closes the figure
 
 
 def main(argv: list[str] | None = None) -> int:

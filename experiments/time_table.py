@@ -203,6 +203,8 @@ def figure(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from analysis.render import save_png_pdf
+
     methods = list(dict.fromkeys(r["method"] for r in rows))
     med = {(r["method"], r["phase"]): r["median_s"] for r in rows}
     fig, ax = plt.subplots(figsize=(1.4 * len(methods) + 2, 4))
@@ -217,10 +219,7 @@ def figure(rows: list[dict], out: Path) -> None:
     ax.set_title(f"one GRPO step by phase, {rows[0]['model']} ({rows[0]['device']})")
     ax.legend(fontsize=8)
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=7)
-    fig.tight_layout()
-    for ext in ("png", "pdf"):
-        fig.savefig(out / f"time.{ext}")
-    plt.close(fig)
+    save_png_pdf(fig, out / "time.png", dpi=None)  # and its .pdf; closes the figure
 
 
 def print_table(rows: list[dict]) -> None:

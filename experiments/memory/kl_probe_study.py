@@ -161,6 +161,8 @@ def figure(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from analysis.render import save_png_pdf
+
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, rs in _main_rows(rows).items():
         sizes = sorted({r["probe_seqs"] for r in rs})
@@ -178,10 +180,7 @@ def figure(rows: list[dict], out: Path) -> None:
     a1.set_yscale("log")
     a1.set_ylabel("|predicted − exact| / exact (whole batch)")
     a2.set_ylabel("predictor time / batch fwd+bwd time")
-    fig.tight_layout()
-    for ext in ("png", "pdf"):
-        fig.savefig(out / f"probe_study.{ext}")
-    plt.close(fig)
+    save_png_pdf(fig, out / "probe_study.png", dpi=None)  # and its .pdf; closes the figure
 
 
 def summary(rows: list[dict]) -> list[str]:
