@@ -101,10 +101,9 @@ def each_run_times(runs: pd.DataFrame) -> pd.DataFrame:
     return per_run.join(first).join(steps.groupby("run").size().rename("steps")).reset_index()
 
 
-def per_run_times(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per task × variant: each phase's median seconds over a run's steps, mean over seeds
-    (:func:`each_run_times`), the seeds, and the steps per run."""
-    per_run = each_run_times(runs)
+def per_run_times(per_run: pd.DataFrame) -> pd.DataFrame:
+    """Per task × variant: each phase's median seconds over a run's steps, mean over seeds (``per_run``:
+    :func:`each_run_times`), the seeds, and the steps per run."""
     phases = [p for p in RUN_PHASES if p in per_run.columns]
     g = per_run.groupby(GROUP, sort=True)
     data = g[phases].mean()
@@ -113,13 +112,13 @@ def per_run_times(runs: pd.DataFrame) -> pd.DataFrame:
     return data.reset_index()
 
 
-def paired_ratios(runs: pd.DataFrame, ref: dict) -> pd.DataFrame:
+def paired_ratios(per_run: pd.DataFrame, ref: dict) -> pd.DataFrame:
     """Per task × variant, its step and its fwd_bwd + optimizer over the dense reference's (``ref``:
     task → dense variant), each a mean over the seeds both ran over dense's mean on those seeds (a
     seed only one of them ran, as while a sweep's runs land, would tilt the ratio by its own noise);
-    ``paired``: how many seeds, 0 (and NaN ratios) where they share none or the task has no dense."""
-    per_run = each_run_times(runs)
-    per_run["train"] = per_run["fwd_bwd"] + per_run.get("optimizer", 0.0)
+    ``paired``: how many seeds, 0 (and NaN ratios) where they share none or the task has no dense
+    (``per_run``: :func:`each_run_times`)."""
+    per_run = per_run.assign(train=per_run["fwd_bwd"] + per_run.get("optimizer", 0.0))
     rows = []
     for (task, variant), group in per_run.groupby(GROUP, sort=True):
         dense = per_run[(per_run["task_label"] == task) & (per_run["variant"] == ref.get(task))].groupby("seed").mean(numeric_only=True)
@@ -133,9 +132,10 @@ def paired_ratios(runs: pd.DataFrame, ref: dict) -> pd.DataFrame:
 
 def runs_table(runs: pd.DataFrame) -> Table:
     """The runs' own phase timers: median seconds per phase, the step × dense, and the KL prediction's share."""
-    data = per_run_times(runs)
+    per_run = each_run_times(runs)
+    data = per_run_times(per_run)
     phases = [p for p in RUN_PHASES if p in data.columns]
-    data = data.merge(paired_ratios(runs, dense_reference(runs)), on=GROUP, how="left")
+    data = data.merge(paired_ratios(per_run, dense_reference(runs)), on=GROUP, how="left")
     named = variant_names(runs)
     shown = pd.DataFrame({"task": data["task_label"],
                           "method": [named.get((t, v), v) for t, v in zip(data["task_label"], data["variant"])],
